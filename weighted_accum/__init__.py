@@ -1,0 +1,31 @@
+"""weighted_accum: exact gradient accumulation over unequal microbatches.
+
+Callers hand in gradients of a per-microbatch loss SUM or MEAN together with
+that microbatch's effective weight (tokens, samples); the library keeps
+weighted sums in a chosen work dtype and divides once, so the result equals
+the full-batch gradient whatever the split.
+"""
+
+from weighted_accum.core import accumulate_mean
+from weighted_accum.core import accumulate_sum
+from weighted_accum.core import finish_mean
+from weighted_accum.core import finish_sums
+from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.state import AccumState
+from weighted_accum.state import AccumulatedGradients
+from weighted_accum.state import from_buffers
+from weighted_accum.state import init
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AccumState",
+    "AccumulatedGradients",
+    "WeightedAccumulationError",
+    "accumulate_mean",
+    "accumulate_sum",
+    "finish_mean",
+    "finish_sums",
+    "from_buffers",
+    "init",
+)

@@ -1,0 +1,190 @@
+"""The library's error type and the validation helpers behind it.
+
+Two kinds of fault are told apart (DESIGN.md §3):
+
+* *Structural* faults (a grads tree that does not match the buffers, a
+  non-floating dtype, a bad loss scale) are known at call/trace time and always
+  raise :class:`WeightedAccumulationError`, naming the first offending leaf path.
+* *Value* faults (a negative, NaN or infinite weight; finishing an empty
+  window) raise when the offending value is concrete (eager calls). Under
+  ``jax.jit`` the value is a tracer, so the core functions fall back to a safe
+  result instead (see :mod:`weighted_accum.core`) and, when asked with
+  ``checked=True``, emit a :func:`jax.experimental.checkify.check`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["WeightedAccumulationError"]
+
+
+class WeightedAccumulationError(ValueError):
+  """Raised when weighted accumulation is given input it cannot use safely.
+
+  Every message says what was wrong, where (the leaf path or the field), and
+  what to do about it. Raising never modifies the caller's state: all functions
+  of this library are pure.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> state = wa.init({'w': jnp.zeros(3)})
+    >>> try:
+    ...   wa.accumulate_sum(state, {'w': jnp.ones(3)}, weight=-1.0)
+    ... except wa.WeightedAccumulationError as e:
+    ...   print('refused')
+    refused
+  """
+
+
+def is_traced(x: Any) -> bool:
+  """True when ``x`` is an abstract value inside a JAX transformation."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def concrete_float(x: Any) -> float | None:
+  """Returns ``x`` as a Python float when it is concrete, else ``None``."""
+  if is_traced(x):
+    return None
+  return float(np.asarray(x))
+
+
+def path_str(path: tuple) -> str:
+  """A readable leaf path such as ``['layer']['kernel']`` (``<root>`` if empty)."""
+  s = jax.tree_util.keystr(path)
+  return s if s else "<root>"
+
+
+def check_floating_dtype(dtype: Any, *, what: str) -> jnp.dtype:
+  """Returns ``dtype`` canonicalised, or raises if it is not a usable float."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as e:
+    raise WeightedAccumulationError(
+        f"{what}: {dtype!r} is not a dtype. Pass a floating dtype such as "
+        "jnp.float32, jnp.bfloat16 or jnp.float16.") from e
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise WeightedAccumulationError(
+        f"{what}: dtype {dt} is not floating point; gradient sums need a "
+        "floating work dtype. Pass jnp.float32 (recommended), jnp.bfloat16 or "
+        "jnp.float16.")
+  if dt.itemsize == 8 and not jax.config.jax_enable_x64:
+    raise WeightedAccumulationError(
+        f"{what}: dtype {dt} needs jax_enable_x64, which is off, so JAX would "
+        "silently use float32. Enable it with "
+        "jax.config.update('jax_enable_x64', True) or pass jnp.float32.")
+  return dt
+
+
+def check_loss_scale(loss_scale: Any, *, what: str = "loss_scale") -> None:
+  """Raises if a concrete loss scale is not a finite positive scalar."""
+  if np.ndim(loss_scale) != 0:
+    raise WeightedAccumulationError(
+        f"{what}: expected a scalar, got shape {np.shape(loss_scale)}. Pass "
+        "one number for the whole window.")
+  value = concrete_float(loss_scale)
+  if value is not None and not (math.isfinite(value) and value > 0):
+    raise WeightedAccumulationError(
+        f"{what}: {value!r} is not a finite positive number. The loss scale "
+        "multiplies every loss of the window and is divided out once at "
+        "finish; pass e.g. 1.0, or 2.0**15 for float16 training.")
+
+
+def check_weight(weight: Any, *, what: str = "weight") -> None:
+  """Raises for a non-scalar weight, and for a concrete invalid one."""
+  if np.ndim(weight) != 0:
+    raise WeightedAccumulationError(
+        f"{what}: expected a scalar effective item count, got shape "
+        f"{np.shape(weight)}. Pass e.g. mask.sum() for the microbatch.")
+  dt = jnp.result_type(weight)
+  if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
+          or jnp.issubdtype(dt, jnp.bool_)):
+    raise WeightedAccumulationError(
+        f"{what}: dtype {dt} is not a real number. Pass the microbatch's "
+        "token or sample count.")
+  value = concrete_float(weight)
+  if value is not None and not (math.isfinite(value) and value >= 0):
+    raise WeightedAccumulationError(
+        f"{what}: {value!r} is not a finite non-negative number. The weight is "
+        "the microbatch's effective item count (tokens, samples); use 0 for a "
+        "fully masked microbatch. The state was left unchanged.")
+
+
+def _flat(tree: Any) -> list[tuple[str, Any]]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(path_str(p), leaf) for p, leaf in flat]
+
+
+def match_tree(reference: Any, tree: Any, *, what: str,
+               ref_name: str = "the accumulator's buffers") -> list[Any]:
+  """Checks that ``tree`` has ``reference``'s leaf paths and shapes.
+
+  Args:
+    reference: the tree whose structure is expected (buffers or params).
+    tree: the caller's tree (grads, restored buffers).
+    what: how to name ``tree`` in messages.
+    ref_name: how to name ``reference`` in messages.
+
+  Returns:
+    The leaves of ``tree`` in ``reference``'s flattening order. Container
+    types may differ (a ``dict`` against an ``nnx.State``) when every leaf
+    path agrees.
+
+  Raises:
+    WeightedAccumulationError: naming the first missing, extra or misshapen
+      leaf.
+  """
+  ref = _flat(reference)
+  got = _flat(tree)
+  ref_paths = [p for p, _ in ref]
+  got_paths = [p for p, _ in got]
+  if ref_paths != got_paths:
+    got_set, ref_set = set(got_paths), set(ref_paths)
+    missing = [p for p in ref_paths if p not in got_set]
+    extra = [p for p in got_paths if p not in ref_set]
+    if missing:
+      raise WeightedAccumulationError(
+          f"{what}: leaf {missing[0]} is missing ({len(missing)} missing in "
+          f"all); it must have exactly the leaf paths of {ref_name}. Pass "
+          "gradients with respect to the same params given to init.")
+    if extra:
+      raise WeightedAccumulationError(
+          f"{what}: unexpected leaf {extra[0]} ({len(extra)} extra in all), "
+          f"which {ref_name} do not have. Pass gradients with respect to the "
+          "same params given to init (filter out non-trainable leaves).")
+    raise WeightedAccumulationError(
+        f"{what}: leaves are in a different order than in {ref_name} "
+        f"(first: {got_paths[0]} vs {ref_paths[0]}). Pass a tree of the same "
+        "container types as the params given to init.")
+  leaves = []
+  for (path, r), (_, g) in zip(ref, got):
+    if np.shape(g) != np.shape(r):
+      raise WeightedAccumulationError(
+          f"{what}: leaf {path} has shape {np.shape(g)}, expected "
+          f"{np.shape(r)} as in {ref_name}. Pass gradients of the same params "
+          "given to init.")
+    leaves.append(g)
+  return leaves
+
+
+def check_leaves_floating(paths_and_leaves: list[tuple[str, Any]], *,
+                          what: str) -> None:
+  """Raises naming the first leaf whose dtype is not floating."""
+  for path, leaf in paths_and_leaves:
+    dt = jnp.result_type(leaf)
+    if not jnp.issubdtype(dt, jnp.floating):
+      raise WeightedAccumulationError(
+          f"{what}: leaf {path} has dtype {dt}, which is not floating point. "
+          "Gradients must be float32, bfloat16 or float16; exclude integer "
+          "leaves (e.g. with nnx.state(model, nnx.Param)).")
+
+
+def leaf_paths(tree: Any) -> list[str]:
+  """The readable path of every leaf of ``tree``, in flattening order."""
+  return [p for p, _ in _flat(tree)]
