@@ -22,6 +22,7 @@ from weighted_accum import tally
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
+from weighted_accum.state import zeros_like
 
 
 def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -181,13 +182,9 @@ def _all_finite(tree: Any) -> jax.Array:
   return jnp.all(jnp.isfinite(jnp.stack(sums)))
 
 
-def _zeros(tree: Any) -> Any:
-  return jax.tree.map(jnp.zeros_like, tree)
-
-
 def _reset(state: AccumState, next_loss_scale: jax.Array) -> AccumState:
   zi, zf = jnp.int32(0), jnp.float32(0)
-  return state.replace(grads=_zeros(state.grads), issued=zi, zero_weight=zi,
+  return state.replace(grads=jax.tree.map(zeros_like, state.grads), issued=zi, zero_weight=zi,
                        rejected=zi, weight_hi=zf, weight_lo=zf,
                        windows=state.windows + 1, loss_scale=next_loss_scale)
 

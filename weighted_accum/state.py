@@ -111,16 +111,20 @@ class AccumulatedGradients(struct.PyTreeNode):
   valid: jax.Array
 
 
-def _zeros_like_param(p: Any, dtype: jnp.dtype) -> jax.Array:
-  if isinstance(p, jax.Array) and not errors.is_traced(p):
-    return jnp.zeros(p.shape, dtype, device=p.sharding)
-  if errors.is_traced(p):
-    # Under jit, a constant has no data dependence on ``p``, so the partitioner
-    # would replicate it. Selecting from ``p`` with an all-false mask makes the
-    # zeros inherit ``p``'s sharding (auto and explicit meshes alike) and stays
-    # zero even where ``p`` holds NaN or Inf.
-    return jnp.where(jnp.zeros_like(p, dtype=bool), p, 0).astype(dtype)
-  return jnp.zeros(np.shape(p), dtype)
+def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
+  """Zeros shaped like ``x`` on ``x``'s sharding, eagerly and under ``jit``.
+
+  Under ``jit`` a constant has no data dependence on ``x``, so the partitioner
+  would replicate it (``jnp.zeros_like`` does, on an auto mesh). Selecting
+  from ``x`` with an all-false mask makes the zeros inherit ``x``'s sharding
+  on auto and explicit meshes alike, and stays zero where ``x`` is NaN/Inf.
+  """
+  dtype = x.dtype if dtype is None else dtype
+  if isinstance(x, jax.Array) and not errors.is_traced(x):
+    return jnp.zeros(x.shape, dtype, device=x.sharding)
+  if errors.is_traced(x):
+    return jnp.where(jnp.zeros_like(x, dtype=bool), x, 0).astype(dtype)
+  return jnp.zeros(np.shape(x), dtype)
 
 
 def _counters(issued=0, zero_weight=0, rejected=0, windows=0, weight_hi=0.0,
@@ -178,7 +182,7 @@ def init(params: Any, dtype: Any = jnp.float32,
   dt = errors.check_floating_dtype(dtype, what="init(dtype=...)")
   errors.check_loss_scale(loss_scale, what="init(loss_scale=...)")
   _check_params(params, what="init(params)")
-  buffers = jax.tree.map(lambda p: _zeros_like_param(p, dt), params)
+  buffers = jax.tree.map(lambda p: zeros_like(p, dt), params)
   return AccumState(grads=buffers, dtype=dt,
                     **_counters(loss_scale=loss_scale))
 
