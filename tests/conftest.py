@@ -1,23 +1,8 @@
-"""Test configuration: 8 virtual CPU devices for the sharding tests.
+"""Shared fixtures. The environment (8 CPU devices, hypothesis profile) is set
+in the repository's root conftest.py, before jax is imported."""
 
-XLA_FLAGS must be set before jax is imported anywhere, hence here.
-"""
-
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") +
-    " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402  pylint: disable=g-import-not-at-top
-import pytest  # noqa: E402  pylint: disable=g-import-not-at-top
-
-from hypothesis import settings  # noqa: E402  pylint: disable=g-import-not-at-top
-
-settings.register_profile("ci", max_examples=25, deadline=None,
-                          print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+import jax
+import pytest
 
 
 @pytest.fixture(params=["eager", "jit"])

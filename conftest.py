@@ -1,0 +1,18 @@
+"""Repository-wide pytest set-up, loaded before any test or doctest module.
+
+XLA_FLAGS must be set before jax is first imported: 8 virtual CPU devices for
+the sharding tests.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") +
+    " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from hypothesis import settings  # noqa: E402  pylint: disable=g-import-not-at-top
+
+settings.register_profile("ci", max_examples=25, deadline=None,
+                          print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
