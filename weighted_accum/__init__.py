@@ -6,6 +6,10 @@ weighted sums in a chosen work dtype and divides once, so the result equals
 the full-batch gradient whatever the split.
 """
 
+from weighted_accum import checkpoint
+from weighted_accum.checkpoint import AccumRestore
+from weighted_accum.checkpoint import AccumSave
+from weighted_accum.checkpoint import abstract_state
 from weighted_accum.core import accumulate_mean
 from weighted_accum.core import accumulate_sum
 from weighted_accum.core import finish_mean
@@ -19,11 +23,15 @@ from weighted_accum.state import init
 __version__ = "0.1.0"
 
 __all__ = (
+    "AccumRestore",
+    "AccumSave",
     "AccumState",
     "AccumulatedGradients",
     "WeightedAccumulationError",
+    "abstract_state",
     "accumulate_mean",
     "accumulate_sum",
+    "checkpoint",
     "finish_mean",
     "finish_sums",
     "from_buffers",

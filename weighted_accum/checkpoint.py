@@ -1,0 +1,526 @@
+"""Orbax checkpointing of accumulator state: ``AccumSave`` / ``AccumRestore``.
+
+A half-finished window is worth saving: resuming it continues the sums
+bit for bit. The two :class:`orbax.checkpoint.args.CheckpointArgs` below are
+registered with :class:`AccumCheckpointHandler`, so ``CheckpointManager`` and
+``ocp.args.Composite`` construct the handler by themselves, and the
+accumulator is saved atomically with the other items of a step::
+
+  import orbax.checkpoint as ocp
+  from weighted_accum.checkpoint import AccumRestore, AccumSave, abstract_state
+
+  mngr = ocp.CheckpointManager(path)          # async by default
+  mngr.save(step, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params),
+      accum=AccumSave(state),                 # mid-window is fine
+      data=ocp.args.JsonSave({'batch': 17})))
+  ...
+  restored = mngr.restore(step, args=ocp.args.Composite(
+      params=ocp.args.StandardRestore(abstract_params),
+      accum=AccumRestore(abstract_state(params)),
+      data=ocp.args.JsonRestore()))
+
+What is written (one item directory): the buffers, the seven counters
+(:data:`weighted_accum.state.COUNTER_FIELDS`, loss scale included) and the
+options (work dtype, :data:`weighted_accum.state.FORMAT_VERSION`) in the
+item's Orbax metadata. ``AccumSave`` also takes any pytree that contains
+``AccumState`` nodes, e.g. the state of
+:func:`weighted_accum.transform.weighted_multi_steps`; its other leaves are
+saved as by ``StandardSave`` and restored with the same strict checks.
+
+Saving copies every array to host memory before ``save`` returns (Orbax's
+device-to-host transfer is part of the blocking phase), and never modifies
+the state, so the state may be donated to the next jitted step at once.
+
+Restoring validates before anything is returned, each fault raising
+:class:`~weighted_accum.errors.WeightedAccumulationError` that names the item
+directory and the leaf path or field: tree structure, shapes, dtypes (Orbax
+would cast silently; this module refuses), counters, the format version, and
+missing or truncated files. The template is only read, so a failed restore
+leaves the caller's state as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+from typing import Any
+
+from etils import epath
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from weighted_accum import errors
+from weighted_accum import state as state_lib
+from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.state import AccumState
+
+__all__ = [
+    "AccumCheckpointHandler",
+    "AccumRestore",
+    "AccumSave",
+    "abstract_state",
+]
+
+#: Key of this library's options in the item's Orbax custom metadata.
+OPTIONS_KEY = "weighted_accum"
+#: Format versions this module can read.
+SUPPORTED_FORMAT_VERSIONS = (state_lib.FORMAT_VERSION,)
+
+_GRADS = "grads"
+_COUNTERS = "counters"
+_COUNTER_DTYPES = dict(issued=np.int32, zero_weight=np.int32,
+                       rejected=np.int32, windows=np.int32,
+                       weight_hi=np.float32, weight_lo=np.float32,
+                       loss_scale=np.float32)
+
+
+def abstract_state(params: Any, dtype: Any = jnp.float32) -> AccumState:
+  """An abstract ``AccumState`` for ``params``, each buffer on its sharding.
+
+  ``jax.eval_shape(wa.init, params)`` gives the same shapes but drops the
+  shardings; this keeps them, so :class:`AccumRestore` places every buffer
+  where ``wa.init(params, dtype)`` would.
+
+  Args:
+    params: concrete arrays or ``jax.ShapeDtypeStruct``s (with or without a
+      ``sharding``), e.g. the params of the new run, on any mesh.
+    dtype: the work dtype the checkpoint was saved in.
+
+  Returns:
+    An ``AccumState`` of ``jax.ShapeDtypeStruct`` leaves.
+
+  Raises:
+    WeightedAccumulationError: as :func:`weighted_accum.init`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from weighted_accum.checkpoint import abstract_state
+    >>> t = abstract_state({'w': jnp.zeros((2, 3))}, jnp.bfloat16)
+    >>> t.grads['w'].shape, t.grads['w'].dtype, t.dtype
+    ((2, 3), dtype(bfloat16), dtype(bfloat16))
+  """
+  shapes = jax.eval_shape(functools.partial(state_lib.init, dtype=dtype),
+                          params)
+
+  def with_sharding(sds, p):
+    sharding = getattr(p, "sharding", None)
+    return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
+
+  return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads,
+                                           params))
+
+
+def _is_accum(x: Any) -> bool:
+  return isinstance(x, AccumState)
+
+
+def _key(path: tuple[str, ...]) -> str:
+  """The key of a node in the saved options (``''`` for the root)."""
+  return "/".join(path)
+
+
+def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
+  """``{Orbax path: (readable path, state)}`` for each AccumState in tree."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_accum)
+  keys = ocp.tree.to_flat_dict(tree, is_leaf=_is_accum)
+  return {k: (errors.path_str(p), node)
+          for (p, node), k in zip(flat, keys) if _is_accum(node)}
+
+
+def _split(tree: Any, counters: Any) -> Any:
+  """Replaces each AccumState by ``{'grads': ..., 'counters': {...}}``."""
+  def split(x):
+    if _is_accum(x):
+      return {_GRADS: x.grads, _COUNTERS: counters(x)}
+    return x
+  return jax.tree.map(split, tree, is_leaf=_is_accum)
+
+
+def _host_counters(s: AccumState) -> dict[str, np.ndarray]:
+  out = {}
+  for name in state_lib.COUNTER_FIELDS:
+    value = getattr(s, name)
+    if errors.is_traced(value):
+      raise WeightedAccumulationError(
+          f"AccumSave: counter {name!r} is a traced value; save concrete "
+          "state outside jit.")
+    out[name] = np.array(value, _COUNTER_DTYPES[name])
+  return out
+
+
+@dataclasses.dataclass
+class AccumSave(ocp.args.CheckpointArgs):
+  """Saves an ``AccumState`` (or a pytree holding some) as one Orbax item.
+
+  Attributes:
+    state: an :class:`~weighted_accum.AccumState`, mid-window or not, or any
+      pytree whose ``AccumState`` nodes are saved with their work dtype (e.g.
+      an optax wrapper's state). Concrete arrays only. Never modified.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
+    >>> import weighted_accum as wa
+    >>> from weighted_accum.checkpoint import AccumRestore, AccumSave
+    >>> state = wa.accumulate_sum(wa.init({'w': jnp.zeros(2)}),
+    ...                           {'w': jnp.ones(2)}, 3)
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as mngr:
+    ...   _ = mngr.save(0, args=ocp.args.Composite(accum=AccumSave(state)))
+    ...   mngr.wait_until_finished()
+    ...   out = mngr.restore(0, args=ocp.args.Composite(
+    ...       accum=AccumRestore(state)))
+    >>> out.accum.total_weight, int(out.accum.issued)
+    (3.0, 1)
+  """
+
+  state: Any
+
+
+@dataclasses.dataclass
+class AccumRestore(ocp.args.CheckpointArgs):
+  """Restores what :class:`AccumSave` wrote, validated against a template.
+
+  Attributes:
+    template: the tree to restore into: a concrete ``AccumState`` (e.g. the
+      current one) or an abstract one (:func:`abstract_state`, or
+      ``jax.eval_shape(wa.init, params)``), or the same pytree of states that
+      was saved. Each array is placed on its template leaf's sharding (a
+      ``ShapeDtypeStruct`` without one gets the saved sharding, when the
+      current devices allow it). Only read, never modified.
+
+  Example:
+    See :class:`AccumSave`.
+  """
+
+  template: Any = None
+
+
+def _show(path: tuple[str, ...]) -> str:
+  return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
+  """Orbax handler for :class:`AccumSave` / :class:`AccumRestore`.
+
+  Built on ``ocp.PyTreeCheckpointHandler`` (OCDBT storage, asynchronous
+  commit); adds the accumulator's options to the item metadata and strict
+  validation on restore. ``CheckpointManager`` and ``ocp.args.Composite``
+  construct it from the args; direct use is rarely needed.
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
+    >>> import weighted_accum as wa
+    >>> from weighted_accum.checkpoint import (AccumCheckpointHandler,
+    ...                                        AccumRestore, AccumSave)
+    >>> path = tempfile.mkdtemp() + '/accum'
+    >>> state = wa.init({'w': jnp.zeros(2)}, dtype=jnp.bfloat16)
+    >>> with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
+    ...   ckptr.save(path, args=AccumSave(state))
+    ...   out = ckptr.restore(path, args=AccumRestore(state))
+    >>> out.dtype
+    dtype(bfloat16)
+  """
+
+  def __init__(self, *, use_ocdbt: bool = True):
+    """Creates the handler.
+
+    Args:
+      use_ocdbt: store arrays with TensorStore's OCDBT driver (Orbax's
+        default).
+    """
+    self._impl = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
+
+  async def async_save(self, directory: epath.Path,
+                       args: AccumSave) -> list[Any] | None:
+    """Starts writing ``args.state``; arrays are on host when this returns.
+
+    Args:
+      directory: the item directory.
+      args: :class:`AccumSave`.
+
+    Returns:
+      Commit futures that finish the write.
+
+    Raises:
+      WeightedAccumulationError: for a traced state, or one whose buffers
+        are not all in its work dtype.
+    """
+    if not isinstance(args, AccumSave):
+      raise WeightedAccumulationError(
+          f"AccumCheckpointHandler.async_save: expected AccumSave(state), got "
+          f"{type(args).__name__}. Pass args=AccumSave(state).")
+    tree = args.state
+    states = {}
+    for key, (shown, s) in _accum_nodes(tree).items():
+      for path, leaf in zip(errors.leaf_paths(s.grads),
+                            jax.tree.leaves(s.grads)):
+        if jnp.result_type(leaf) != s.dtype:
+          raise WeightedAccumulationError(
+              f"AccumSave: buffer {shown}.grads{path} has dtype "
+              f"{jnp.result_type(leaf)}, but the state's work dtype is "
+              f"{s.dtype}. Save states made by this library's functions.")
+      states[_key(key)] = {"dtype": jnp.dtype(s.dtype).name}
+    if any(errors.is_traced(x) for x in jax.tree.leaves(tree)):
+      raise WeightedAccumulationError(
+          "AccumSave: the state holds traced values; save a concrete state "
+          "outside jit.")
+    saveable = _split(tree, _host_counters)
+    options = {OPTIONS_KEY: {"format_version": state_lib.FORMAT_VERSION,
+                             "states": states}}
+    return await self._impl.async_save(
+        directory, args=ocp.args.PyTreeSave(saveable,
+                                            custom_metadata=options))
+
+  def save(self, directory: epath.Path, args: AccumSave) -> None:
+    """Saves synchronously (see :meth:`async_save`)."""
+
+    async def run():
+      for f in await self.async_save(directory, args) or []:
+        f.result()
+
+    # A fresh thread has no running event loop (a notebook's main thread has).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      pool.submit(asyncio.run, run()).result()
+
+  def finalize(self, directory: epath.Path) -> None:
+    """Merges the per-process OCDBT files (called once all writes end)."""
+    self._impl.finalize(directory)
+
+  def metadata(self, directory: epath.Path) -> Any:
+    """The saved tree's Orbax metadata (accumulators as ``{'grads',
+    'counters'}`` dicts; options under ``custom_metadata['weighted_accum']``).
+    """
+    return self._impl.metadata(directory)
+
+  def close(self) -> None:
+    """Releases the underlying Orbax handler."""
+    self._impl.close()
+
+  def restore(self, directory: epath.Path,
+              args: AccumRestore | None = None) -> Any:
+    """Restores into ``args.template``'s structure, placement and dtypes.
+
+    Args:
+      directory: the item directory.
+      args: :class:`AccumRestore` with the template.
+
+    Returns:
+      A tree like the template: concrete ``AccumState``s continuing the
+      saved windows, other leaves as saved.
+
+    Raises:
+      WeightedAccumulationError: naming the item directory and the first
+        offending leaf path or field.
+    """
+    where = f"AccumRestore({directory})"
+    template = None if args is None else args.template
+    if template is None:
+      raise WeightedAccumulationError(
+          f"{where}: a template is required (AccumRestore(template)); pass "
+          "the current state or abstract_state(params, dtype).")
+    directory = epath.Path(directory)
+    if not directory.is_dir():
+      raise WeightedAccumulationError(
+          f"{where}: the item directory does not exist. The step was not "
+          "saved with this item, or its files were removed.")
+    meta = self._read_metadata(directory, where)
+    saved_states = self._check_options(meta.custom_metadata, where)
+    want = _accum_nodes(template)
+    self._check_states(want, saved_states, where)
+    target = _split(template, lambda s: s.counters)
+    flat_target = ocp.tree.to_flat_dict(target)
+    shown = dict(zip(flat_target, errors.leaf_paths(target)))
+    flat_meta = ocp.tree.to_flat_dict(meta.tree)
+    self._check_structure(flat_target, flat_meta, shown, where)
+    flat_args = {}
+    for key, leaf in flat_target.items():
+      m = flat_meta[key]
+      role, expect = _role(key, leaf, want)
+      if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
+        raise WeightedAccumulationError(
+            f"{where}: template leaf {shown[key]} has dtype "
+            f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
+            f"{expect}. Build the template with abstract_state(params, "
+            "dtype).")
+      if np.shape(leaf) != tuple(m.shape):
+        raise WeightedAccumulationError(
+            f"{where}: leaf {shown[key]} has shape {tuple(m.shape)} in the "
+            f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
+            "a template built from the params that were saved.")
+      if expect is not None and np.dtype(m.dtype) != expect:
+        raise WeightedAccumulationError(
+            f"{where}: leaf {shown[key]} was saved as {np.dtype(m.dtype)}, "
+            f"but the template expects {expect}. Orbax would cast it "
+            "silently; this library refuses. Restore with a template of the "
+            "saved dtype (e.g. abstract_state(params, dtype=...)) and "
+            "convert explicitly.")
+      flat_args[key] = self._restore_arg(role, leaf, m, shown[key], where)
+    restore_args = ocp.tree.from_flat_dict(flat_args, target=target)
+    try:
+      restored = self._impl.restore(
+          directory, args=ocp.args.PyTreeRestore(item=target,
+                                                 restore_args=restore_args))
+    except WeightedAccumulationError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise WeightedAccumulationError(
+          f"{where}: could not read the checkpoint's arrays "
+          f"({type(e).__name__}: {e}). Files are missing or truncated (an "
+          "interrupted copy?); restore another step.") from e
+    return self._rebuild(template, restored, where)
+
+  def _read_metadata(self, directory: epath.Path, where: str) -> Any:
+    try:
+      return self._impl.metadata(directory)
+    except FileNotFoundError as e:
+      raise WeightedAccumulationError(
+          f"{where}: the metadata file is missing ({e}). The item is "
+          "incomplete; restore another step.") from e
+    except (ValueError, KeyError, TypeError) as e:
+      raise WeightedAccumulationError(
+          f"{where}: the metadata file is unreadable ({type(e).__name__}: "
+          f"{e}); it is truncated or corrupt. Restore another step.") from e
+
+  def _check_options(self, custom: Any, where: str) -> dict[str, Any]:
+    options = custom.get(OPTIONS_KEY) if isinstance(custom, dict) else None
+    if not isinstance(options, dict):
+      raise WeightedAccumulationError(
+          f"{where}: the item holds no '{OPTIONS_KEY}' options, so it was "
+          "not written by AccumSave. Restore it with the args it was saved "
+          "with (e.g. ocp.args.StandardRestore).")
+    version = options.get("format_version")
+    if version not in SUPPORTED_FORMAT_VERSIONS:
+      raise WeightedAccumulationError(
+          f"{where}: option 'format_version' is {version!r}; this version of "
+          f"weighted_accum reads {list(SUPPORTED_FORMAT_VERSIONS)}. Upgrade "
+          "weighted_accum to restore it.")
+    states = options.get("states")
+    if not isinstance(states, dict) or not all(
+        isinstance(v, dict) and isinstance(v.get("dtype"), str)
+        for v in states.values()):
+      raise WeightedAccumulationError(
+          f"{where}: option 'states' is malformed ({states!r}); the metadata "
+          "is corrupt.")
+    return states
+
+  def _check_states(self, want: dict[str, tuple[str, AccumState]],
+                    saved: dict[str, Any], where: str) -> None:
+    for path, (shown, s) in want.items():
+      key = _key(path)
+      if key not in saved:
+        raise WeightedAccumulationError(
+            f"{where}: the template has an AccumState at {shown}, but the "
+            "checkpoint has none there. Restore with a template of the "
+            "structure that was saved.")
+      saved_dtype = saved[key]["dtype"]
+      if jnp.dtype(saved_dtype) != jnp.dtype(s.dtype):
+        raise WeightedAccumulationError(
+            f"{where}: option 'dtype' of the AccumState at {shown} is "
+            f"{saved_dtype}, but the template's work dtype is "
+            f"{jnp.dtype(s.dtype)}. Orbax would cast the buffers silently; "
+            "this library refuses. Restore with abstract_state(params, "
+            f"dtype=jnp.{saved_dtype}) and convert explicitly if you must.")
+    extra = sorted(set(saved) - {_key(p) for p in want})
+    if extra:
+      raise WeightedAccumulationError(
+          f"{where}: the checkpoint has an AccumState at "
+          f"{_show(tuple(extra[0].split('/')) if extra[0] else ())}, but the "
+          "template has none there. Restore with a template of the "
+          "structure that was saved.")
+
+  def _check_structure(self, flat_target: dict, flat_meta: dict,
+                       shown: dict, where: str) -> None:
+    missing = [k for k in flat_target if k not in flat_meta]
+    if missing:
+      raise WeightedAccumulationError(
+          f"{where}: leaf {shown[missing[0]]} of the template is missing from "
+          f"the checkpoint ({len(missing)} missing in all). Restore with a "
+          "template built from the params that were saved.")
+    extra = [k for k in flat_meta if k not in flat_target]
+    if extra:
+      raise WeightedAccumulationError(
+          f"{where}: the checkpoint has leaf {_show(extra[0])}, which the "
+          f"template lacks ({len(extra)} extra in all). Restore with a "
+          "template built from the params that were saved.")
+
+  def _restore_arg(self, role: str, leaf: Any, meta: Any, shown: str,
+                   where: str) -> Any:
+    if isinstance(leaf, (bool, int, float, complex)):
+      return ocp.RestoreArgs(restore_type=type(leaf))
+    if role == "counter" or not isinstance(
+        leaf, (jax.Array, jax.ShapeDtypeStruct)):
+      return ocp.RestoreArgs(restore_type=np.ndarray)
+    sharding = leaf.sharding
+    if sharding is None:
+      saved = getattr(meta, "sharding", None)
+      try:
+        sharding = saved.to_jax_sharding() if saved is not None else None
+      except ValueError as e:
+        raise WeightedAccumulationError(
+            f"{where}: template leaf {shown} has no sharding and the saved "
+            f"one ({saved}) does not fit the current devices. Pass a "
+            "template with shardings, e.g. abstract_state(params).") from e
+    if sharding is None:
+      return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding,
+                                global_shape=tuple(leaf.shape), strict=True)
+
+  def _rebuild(self, template: Any, restored: Any, where: str) -> Any:
+    flat_t, treedef = jax.tree_util.tree_flatten_with_path(
+        template, is_leaf=_is_accum)
+    flat_r = treedef.flatten_up_to(restored)
+    out = []
+    for (path, t), r in zip(flat_t, flat_r):
+      if not _is_accum(t):
+        out.append(_like(t, r))
+        continue
+      here = f"{where}: AccumState at {errors.path_str(path)}"
+      counters = state_lib.validate_counters(r[_COUNTERS],
+                                             what=f"{here}, counters")
+      try:
+        s = state_lib.from_buffers(r[_GRADS], r[_GRADS], counters)
+      except WeightedAccumulationError as e:
+        raise WeightedAccumulationError(f"{here}: {e}") from e
+      placed = {}
+      for name in state_lib.COUNTER_FIELDS:
+        sharding = getattr(getattr(t, name), "sharding", None)
+        value = getattr(s, name)
+        placed[name] = (value if sharding is None
+                        else jax.device_put(value, sharding))
+      out.append(s.replace(**placed))
+    return treedef.unflatten(out)
+
+
+def _role(key: tuple[str, ...], leaf: Any,
+          states: dict[tuple[str, ...], tuple[str, AccumState]]
+          ) -> tuple[str, np.dtype | None]:
+  """What a saved leaf is ('buffer', 'counter', 'other') and its dtype."""
+  for path, (_, s) in states.items():
+    n = len(path)
+    if key[:n] == path and len(key) > n:
+      if key[n] == _GRADS:
+        return "buffer", np.dtype(s.dtype)
+      return "counter", np.dtype(_COUNTER_DTYPES[key[n + 1]])
+  if isinstance(leaf, (bool, int, float, complex)):
+    return "other", None  # Python scalars: Orbax stores their own types.
+  return "other", np.dtype(jnp.result_type(leaf))
+
+
+def _like(template_leaf: Any, value: Any) -> Any:
+  """Gives a restored non-array leaf the template leaf's Python type."""
+  if isinstance(template_leaf, (bool, int, float, complex)) and not isinstance(
+      value, type(template_leaf)):
+    return type(template_leaf)(np.asarray(value).item())
+  if isinstance(template_leaf, np.generic):
+    return np.asarray(value, template_leaf.dtype)[()]
+  return value
+
+
+ocp.args.register_with_handler(AccumCheckpointHandler, for_save=True)(
+    AccumSave)
+ocp.args.register_with_handler(AccumCheckpointHandler, for_restore=True)(
+    AccumRestore)
