@@ -19,6 +19,10 @@ from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
 from weighted_accum.state import init
+from weighted_accum.transform import WeightedMultiStepsState
+from weighted_accum.transform import has_updated
+from weighted_accum.transform import weighted_multi_steps
+from weighted_accum.transform import window_counters
 
 __version__ = "0.1.0"
 
@@ -28,6 +32,7 @@ __all__ = (
     "AccumState",
     "AccumulatedGradients",
     "WeightedAccumulationError",
+    "WeightedMultiStepsState",
     "abstract_state",
     "accumulate_mean",
     "accumulate_sum",
@@ -35,5 +40,8 @@ __all__ = (
     "finish_mean",
     "finish_sums",
     "from_buffers",
+    "has_updated",
     "init",
+    "weighted_multi_steps",
+    "window_counters",
 )

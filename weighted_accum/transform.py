@@ -1,0 +1,418 @@
+"""The optax wrapper: ``weighted_multi_steps``, a weighted ``optax.MultiSteps``.
+
+``weighted_multi_steps(inner, every_k)`` accumulates each microbatch's
+gradients with its weight (its effective item count) and, when the window
+closes, hands the exact full-window gradient ``sum grad(S) / sum n`` to the
+inner optimizer once. Unlike ``optax.MultiSteps`` it weights unequal
+microbatches correctly, never runs the inner update mid-window, and never
+multiplies by a 0/1 mask (so a NaN cannot leak through ``0 * NaN``).
+
+How a step is laid out (and why), measured with ``compiled.memory_analysis()``
+under ``jax.jit(..., donate_argnums=...)`` on XLA:CPU (jax 0.10):
+
+1. The microbatch is accumulated outside any conditional (in place).
+2. ``lax.cond(closed, ...)`` reads the buffers at a close (``finish_mean``,
+   then the inner update under a second ``lax.cond`` on the window's
+   validity); mid-window it passes the inner state through untouched. No
+   buffer is written inside this conditional.
+3. A second ``lax.cond``, whose predicate comes out of the first, zeroes the
+   buffers of a consumed window.
+
+A single conditional that also returns the reset buffers makes XLA copy every
+accumulation buffer on every mid-window step (the branch that resets must
+read the buffers before it overwrites them, so the conditional's output gets
+its own buffer): one parameter-sized temporary per step. The split above
+leaves, mid-window, only the zero ``updates`` tree that the optax contract
+requires: the inner state and the buffers are aliased, not copied. Callers
+that do not need optax's ``updates`` should use the functional API
+(:func:`weighted_accum.accumulate_mean` and friends) directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from weighted_accum import core
+from weighted_accum import errors
+from weighted_accum import state as state_lib
+from weighted_accum.errors import WeightedAccumulationError
+
+__all__ = ["WeightedMultiStepsState", "has_updated", "weighted_multi_steps",
+           "window_counters"]
+
+_MODES = ("mean", "sum")
+
+
+class WeightedMultiStepsState(NamedTuple):
+  """State of :func:`weighted_multi_steps` (like ``optax.MultiStepsState``).
+
+  Attributes:
+    inner_state: the wrapped optimizer's state; changes only when a window's
+      gradient is applied.
+    accum: the current window, an :class:`~weighted_accum.AccumState`
+      (buffers, issued/zero-weight/rejected counts, exact total weight, loss
+      scale).
+    mini_step: int32, microbatches issued since the window opened (0 right
+      after a close).
+    gradient_step: int32, inner updates applied since ``init``.
+    updated: bool, the last call closed a window and applied the inner
+      update (see :func:`has_updated`).
+    nonfinite: bool, the last call closed a window whose pending gradients
+      held NaN/Inf (e.g. a float16 loss-scale overflow): it was discarded,
+      the inner optimizer was not advanced, and the next window starts clean.
+      A dynamic loss scaler lowers its scale when it sees this.
+    nonfinite_windows: int32, windows discarded as non-finite since ``init``.
+    empty_windows: int32, closes of a window with zero total weight since
+      ``init``. Such a window applies nothing and is not lost: its counters
+      carry into the next window.
+  """
+
+  inner_state: Any
+  accum: state_lib.AccumState
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  updated: jax.Array
+  nonfinite: jax.Array
+  nonfinite_windows: jax.Array
+  empty_windows: jax.Array
+
+
+def _value(x: Any) -> Any:
+  """Unwraps an ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``)."""
+  get = getattr(x, "get_value", None)
+  return get() if callable(get) else x
+
+
+def has_updated(state: WeightedMultiStepsState) -> jax.Array:
+  """Whether the last ``update`` closed a window and applied the inner update.
+
+  Works on the state itself and on ``nnx.Optimizer(...).opt_state``.
+
+  Args:
+    state: a :class:`WeightedMultiStepsState`.
+
+  Returns:
+    A bool scalar array (traceable).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import weighted_accum as wa
+    >>> tx = wa.weighted_multi_steps(optax.sgd(0.1), every_k=2)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> g = {'w': jnp.ones(2)}
+    >>> _, state = tx.update(g, state, params, weight=3)
+    >>> bool(wa.has_updated(state))
+    False
+    >>> _, state = tx.update(g, state, params, weight=1)
+    >>> bool(wa.has_updated(state))
+    True
+  """
+  return jnp.asarray(_value(state.updated))
+
+
+def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
+  """The current window's counters; reading them changes nothing.
+
+  Works on the state itself and on ``nnx.Optimizer(...).opt_state``.
+
+  Args:
+    state: a :class:`WeightedMultiStepsState`.
+
+  Returns:
+    A dict with ``mini_step`` (microbatches since the window opened),
+    ``issued``, ``zero_weight`` and ``rejected`` (the window's microbatch
+    counts; they include those of an empty window carried over),
+    ``total_weight`` (an exact Python float when concrete, a float32 array
+    under a transformation) and ``loss_scale``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import weighted_accum as wa
+    >>> tx = wa.weighted_multi_steps(optax.sgd(0.1), every_k=4)
+    >>> params = {'w': jnp.zeros(2)}
+    >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params,
+    ...                      weight=7)
+    >>> c = wa.window_counters(state)
+    >>> int(c['mini_step']), int(c['issued']), c['total_weight']
+    (1, 1, 7.0)
+  """
+  accum = jax.tree.map(_value, state.accum)
+  return dict(mini_step=_value(state.mini_step), issued=accum.issued,
+              zero_weight=accum.zero_weight, rejected=accum.rejected,
+              total_weight=accum.total_weight, loss_scale=accum.loss_scale)
+
+
+def _check_every_k(every_k: Any) -> int | None:
+  if every_k is None:
+    return None
+  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
+    raise WeightedAccumulationError(
+        f"weighted_multi_steps(every_k=...): {every_k!r} is not an int. Pass "
+        "the number of microbatches per window (a Python int), or None to "
+        "close windows only with update(..., finish=True).")
+  if every_k < 1:
+    raise WeightedAccumulationError(
+        f"weighted_multi_steps(every_k=...): {every_k} is not positive. Pass "
+        "the number of microbatches per window (>= 1), or None.")
+  return int(every_k)
+
+
+def _check_finish(finish: Any) -> jax.Array:
+  if finish is None:
+    return jnp.bool_(False)
+  if np.ndim(finish) != 0 or jnp.result_type(finish) != jnp.bool_:
+    raise WeightedAccumulationError(
+        f"update(finish=...): expected a bool scalar, got "
+        f"{jnp.result_type(finish)} of shape {np.shape(finish)}. Pass True to "
+        "close the window after this microbatch (e.g. at the end of an "
+        "epoch), False or None otherwise; a traced bool is fine.")
+  return jnp.asarray(finish)
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _axis_names(axis_name: Any) -> tuple[Hashable, ...]:
+  if isinstance(axis_name, (tuple, list)):
+    return tuple(axis_name)
+  return (axis_name,)
+
+
+def _check_local(grads: Any, weight: Any, axes: tuple[Hashable, ...],
+                 mode: str) -> None:
+  """Refuses gradients that autodiff already summed over the data axis."""
+  w_axes = _varying_axes(jnp.asarray(weight))
+  for path, leaf in zip(errors.leaf_paths(grads), jax.tree.leaves(grads)):
+    missing = [a for a in axes if a in w_axes
+               and a not in _varying_axes(leaf)]
+    if missing:
+      raise WeightedAccumulationError(
+          f"update(grads): leaf {path} does not vary over axis "
+          f"{missing[0]!r} while the weight does: inside shard_map, the "
+          "gradient of a replicated param is already summed over the axis "
+          "by autodiff, so summing it again would multiply it by the replica "
+          f"count{' and mean losses cannot be reweighted' if mode == 'mean' else ''}. "
+          "Differentiate with respect to local params, e.g. "
+          f"jax.grad(loss)(jax.lax.pcast(params, {missing[0]!r}, "
+          "to='varying'), batch).")
+
+
+def _reduced_microbatch(grads: Any, weight: Any, *, mode: str,
+                        dtype: jnp.dtype, axes: tuple[Hashable, ...]
+                        ) -> tuple[Any, jax.Array]:
+  """One microbatch summed over replicas: ``(sum_r grad(S_r), sum_r n_r)``.
+
+  Each replica weighs its own microbatch with the core function (so a
+  zero-weight replica adds nothing, NaN grads included); an invalid weight
+  on any replica makes the global weight NaN, which the window then rejects
+  whole.
+  """
+  local = state_lib.init(grads, dtype=dtype)
+  add = core.accumulate_mean if mode == "mean" else core.accumulate_sum
+  local = add(local, grads, weight)
+  sums = lax.psum(local.grads, axes)
+  total = lax.psum(local.weight_hi, axes) + lax.psum(local.weight_lo, axes)
+  bad = lax.psum(local.rejected, axes) > 0
+  return sums, jnp.where(bad, jnp.float32(jnp.nan), total)
+
+
+def weighted_multi_steps(
+    inner: optax.GradientTransformation,
+    every_k: int | None = None,
+    *,
+    mode: str = "mean",
+    dtype: Any = jnp.float32,
+    loss_scale: float | jax.Array = 1.0,
+    axis_name: Hashable | Sequence[Hashable] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Weighted gradient accumulation in front of an optax optimizer.
+
+  A drop-in for ``optax.MultiSteps(inner, every_k)`` whose ``update`` takes
+  each microbatch's weight (its effective item count: tokens, samples):
+
+      updates, state = tx.update(grads, state, params, weight=n_tokens)
+
+  A window closes after ``every_k`` microbatches, or earlier when the call
+  passes ``finish=True`` (a short last window of an epoch is normalised by
+  its own weight). At a close the window's gradient ``sum grad(S) / sum n``
+  (:func:`weighted_accum.finish_mean`) goes through ``inner`` once and its
+  updates are returned. Mid-window the updates are zeros, the inner state is
+  untouched and the inner update is not computed (``lax.cond``).
+
+  A close with zero total weight (every microbatch fully masked) applies
+  nothing, does not advance ``inner`` and is not lost: the window stays open
+  and its counters carry into the next one (``state.empty_windows``
+  counts these). A close with NaN/Inf pending gradients (a float16 loss-scale
+  overflow) applies nothing, does not advance ``inner``, sets
+  ``state.nonfinite`` and discards the window, so the next window starts
+  clean. ``state.gradient_step`` counts applied windows.
+
+  Args:
+    inner: the optimizer to apply once per window (any optax transform; extra
+      keyword arguments of ``update`` are forwarded to it at a close).
+    every_k: microbatches per window (a Python int), or ``None`` to close
+      windows only with ``finish=True``.
+    mode: ``"mean"`` when the grads are of each microbatch's loss MEAN
+      (``sum(w * l) / weight``), ``"sum"`` when they are of its loss SUM.
+    dtype: the work dtype of the accumulation buffers.
+    loss_scale: the factor every loss of a window is multiplied by (for
+      float16 training); divided out once at the close. Change it per window
+      with ``update(..., next_loss_scale=...)``.
+    axis_name: inside ``jax.shard_map`` over a data axis, its name(s). Then
+      ``grads`` and ``weight`` are this replica's own, and each microbatch is
+      summed over the axis (grads and weights: one all-reduce per
+      microbatch, like the usual ``pmean`` of a data-parallel step) so the
+      state stays replicated. Leave it ``None`` under ``jax.jit`` with
+      sharded global arrays. For one all-reduce per window use the
+      functional API with :func:`weighted_accum.finish_sums`.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. ``init(params)`` gives a
+    :class:`WeightedMultiStepsState`. ``update(grads, state, params=None, *,
+    weight, finish=None, next_loss_scale=None, **extra_args)`` returns
+    ``(updates, new_state)``; ``weight`` is a scalar (traced values never
+    recompile); ``finish`` a bool scalar (may be traced);
+    ``next_loss_scale`` the loss scale of the window after a close.
+
+  Raises:
+    WeightedAccumulationError: for an invalid ``every_k``, ``mode`` or
+      ``finish``, and everything :func:`weighted_accum.init` and
+      :func:`weighted_accum.accumulate_mean` raise (mismatched grads tree,
+      concrete invalid weight, bad dtype or loss scale).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import weighted_accum as wa
+    >>> params = {'w': jnp.array([1.0, -1.0])}
+    >>> tx = wa.weighted_multi_steps(optax.sgd(1.0), every_k=2)
+    >>> state = tx.init(params)
+    >>> # Two microbatches of mean grads, with 3 and 1 tokens:
+    >>> for g, n in [({'w': jnp.array([1., 1.])}, 3),
+    ...              ({'w': jnp.array([5., 1.])}, 1)]:
+    ...   updates, state = tx.update(g, state, params, weight=n)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params['w'].tolist()   # 1 - (3*1 + 1*5)/4, -1 - 1
+    [-1.0, -2.0]
+  """
+  k = _check_every_k(every_k)
+  if mode not in _MODES:
+    raise WeightedAccumulationError(
+        f"weighted_multi_steps(mode=...): {mode!r} is not one of {_MODES}. "
+        "Pass 'mean' when the grads are of each microbatch's mean loss, "
+        "'sum' when they are of its summed loss.")
+  work_dtype = errors.check_floating_dtype(
+      dtype, what="weighted_multi_steps(dtype=...)")
+  errors.check_loss_scale(loss_scale,
+                          what="weighted_multi_steps(loss_scale=...)")
+  axes = None if axis_name is None else _axis_names(axis_name)
+  inner_tx = optax.with_extra_args_support(inner)
+  accumulate = core.accumulate_mean if mode == "mean" else core.accumulate_sum
+
+  def init_fn(params: Any) -> WeightedMultiStepsState:
+    zero = jnp.zeros((), jnp.int32)
+    return WeightedMultiStepsState(
+        inner_state=inner_tx.init(params),
+        accum=state_lib.init(params, dtype=work_dtype, loss_scale=loss_scale),
+        mini_step=zero, gradient_step=zero, updated=jnp.bool_(False),
+        nonfinite=jnp.bool_(False), nonfinite_windows=zero, empty_windows=zero)
+
+  def update_fn(updates: Any, state: WeightedMultiStepsState,
+                params: Any = None, *, weight: Any, finish: Any = None,
+                next_loss_scale: Any = None, **extra_args: Any
+                ) -> tuple[Any, WeightedMultiStepsState]:
+    grads = updates
+    closing = _check_finish(finish)
+    if next_loss_scale is not None:
+      errors.check_loss_scale(next_loss_scale,
+                              what="update(next_loss_scale=...)")
+    if axes is None:
+      accum = accumulate(state.accum, grads, weight)
+    else:
+      errors.match_tree(state.accum.grads, grads, what="update(grads)")
+      errors.check_weight(weight, what="update(weight)")
+      _check_local(grads, weight, axes, mode)
+      sums, total = _reduced_microbatch(grads, weight, mode=mode,
+                                        dtype=work_dtype, axes=axes)
+      accum = core.accumulate_sum(state.accum, sums, total)
+
+    mini_step = state.mini_step + 1
+    if k is not None:
+      closing = closing | (mini_step >= k)
+
+    def apply(g, inner_state, params):
+      g = jax.tree.map(lambda a, b: a.astype(jnp.result_type(b)), g, grads)
+      return inner_tx.update(g, inner_state, params, **extra_args)
+
+    shapes = jax.eval_shape(apply, accum.grads, state.inner_state, params)[0]
+
+    def zero_updates():
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def skip(buffers, inner_state, params):
+      del buffers, params
+      return zero_updates(), inner_state
+
+    def close(accum, inner_state, params):
+      out, new_accum = core.finish_mean(accum,
+                                        next_loss_scale=next_loss_scale)
+
+      def apply_window(buffers, inner_state, params):
+        # finish_mean again, inside the branch, so that XLA fuses the
+        # division into the inner update's loops instead of materialising
+        # the normalised gradient as an operand of this conditional.
+        g, _ = core.finish_mean(accum.replace(grads=buffers))
+        return apply(g.grads, inner_state, params)
+
+      # An invalid window (non-finite or empty) does not reach the inner
+      # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN)
+      # nor a select (which would make XLA copy the inner state).
+      upd, new_inner = lax.cond(out.valid, apply_window, skip, accum.grads,
+                                inner_state, params)
+      consumed = out.weight > 0  # else: empty window, kept open
+      return (upd, new_inner, new_accum.replace(grads=None), out.valid,
+              consumed & ~out.finite, consumed, ~consumed)
+
+    def stay_open(accum, inner_state, params):
+      del params
+      f = jnp.bool_(False)
+      return (zero_updates(), inner_state,
+              accum.replace(grads=None), f, f, f, f)
+
+    (new_updates, inner_state, counters, applied, nonfinite, consumed,
+     empty) = lax.cond(closing, close, stay_open, accum, state.inner_state,
+                       params)
+    # Zeroing the consumed window's buffers in a conditional of its own (its
+    # predicate comes out of the one above, so it runs after the buffers
+    # were read) lets XLA update them in place; see the module docstring.
+    buffers = lax.cond(consumed,
+                       lambda b: jax.tree.map(jnp.zeros_like, b),
+                       lambda b: b, accum.grads)
+    one = jnp.int32(1)
+    new_state = WeightedMultiStepsState(
+        inner_state=inner_state,
+        accum=counters.replace(grads=buffers),
+        mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
+        gradient_step=state.gradient_step + jnp.where(applied, one, 0),
+        updated=applied,
+        nonfinite=nonfinite,
+        nonfinite_windows=(state.nonfinite_windows
+                           + jnp.where(nonfinite, one, 0)),
+        empty_windows=state.empty_windows + jnp.where(empty, one, 0),
+    )
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
