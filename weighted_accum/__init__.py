@@ -14,6 +14,10 @@ from weighted_accum.core import accumulate_mean
 from weighted_accum.core import accumulate_sum
 from weighted_accum.core import finish_mean
 from weighted_accum.core import finish_sums
+from weighted_accum import distributed
+from weighted_accum.distributed import local_grad
+from weighted_accum.distributed import local_value_and_grad
+from weighted_accum.distributed import reduce_sums
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
@@ -37,11 +41,15 @@ __all__ = (
     "accumulate_mean",
     "accumulate_sum",
     "checkpoint",
+    "distributed",
     "finish_mean",
     "finish_sums",
     "from_buffers",
     "has_updated",
     "init",
+    "local_grad",
+    "local_value_and_grad",
+    "reduce_sums",
     "weighted_multi_steps",
     "window_counters",
 )

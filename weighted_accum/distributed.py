@@ -1,0 +1,712 @@
+"""Cross-replica reduction for data parallelism on JAX's SPMD engine.
+
+Across data-parallel replicas the exact target is ``sum_r S_r / sum_r n_r``:
+the gradient SUMS and the WEIGHTS are both summed over replicas before the one
+division. Averaging per-replica means weights a replica with 3 tokens like one
+with 3000 (the bug behind Hugging Face transformers #34242 and DeepSpeed
+#7773). Two ways to run it on JAX's SPMD engine:
+
+*Implicit style* (``jax.jit`` over global arrays with ``NamedSharding``: the
+batch sharded over ``'data'``, the params replicated or FSDP-sharded). Nothing
+here is needed: the gradient of the GLOBAL batch's loss sum and the GLOBAL
+item count (``mask.sum()`` of the global mask) are ordinary global arrays, so
+:func:`weighted_accum.accumulate_sum` / :func:`weighted_accum.finish_mean` give
+the exact global result and XLA inserts the reductions. Buffers keep the
+params' sharding (an FSDP-sharded param gets an FSDP-sharded buffer; no
+gather).
+
+*Explicit style* (``jax.shard_map`` over a data axis; the functions below).
+Each replica sees its own microbatches. Pass the axis name(s) to reduce over.
+
+**The autodiff trap.** Inside ``shard_map`` (``check_vma=True``, the default)
+a param passed with ``P()`` is *unvarying* over ``'data'``; its gradient with
+respect to per-replica data is ALREADY summed over ``'data'`` by autodiff (the
+transpose of the implicit broadcast is a ``psum``). A further ``psum``
+multiplies it by the replica count, and the gradient of a per-replica MEAN
+loss is already the equal-weight average the library exists to avoid. So:
+
+* :func:`local_grad` / :func:`local_value_and_grad` differentiate with respect
+  to params cast to varying (``jax.lax.pcast(p, axis, to='varying')``), which
+  gives this replica's own gradient. Use them.
+* :func:`accumulate_sum` / :func:`accumulate_mean` here read the gradients'
+  type (``jax.typeof(g)``: varying or not over the axis) and handle both local
+  and already-reduced gradients correctly; :func:`is_reduced` exposes the
+  test. Already-reduced gradients of a MEAN loss over unequal local counts
+  cannot be un-averaged: that raises, with what to do.
+
+**When to reduce.** ``reduce="window"`` (default): replicas accumulate local
+sums and :func:`finish_mean` does one collective round per window (one
+all-reduce of the gradient sums together with the weights and counts). Cost:
+``P`` bytes on the wire per window for ``P`` bytes of gradients.
+``reduce="microbatch"``: every microbatch's sums and weight are all-reduced
+before they are added, so every replica's buffers hold the global sums and
+finishing needs no communication. Cost: ``K * P`` bytes per window of ``K``
+microbatches (K times the window mode), plus one collective latency per
+microbatch; worth it only when the gradients are reduced anyway (autodiff on
+unvarying params already paid it) or when the state must stay identical on
+every replica (e.g. to leave ``shard_map`` with ``out_specs=P()``).
+A window-mode state is per replica (its leaves vary over the axis): build it
+with :func:`init`, keep it inside ``shard_map`` (``lax.scan`` over the
+microbatches) and finish inside.
+
+Weights: always THIS replica's local item count (tokens, samples); the
+functions sum them over the axis. Counters other than the ones returned by
+:func:`finish_mean` (global weight, global ``issued``) are per-replica
+diagnostics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from weighted_accum import core
+from weighted_accum import errors
+from weighted_accum import state as state_lib
+from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.state import AccumState
+from weighted_accum.state import AccumulatedGradients
+
+AxisName = str | Sequence[str]
+
+REDUCE_MODES = ("window", "microbatch")
+
+__all__ = [
+    "REDUCE_MODES", "accumulate_mean", "accumulate_sum", "finish_mean",
+    "init", "is_reduced", "local_grad", "local_value_and_grad", "reduce_sums",
+]
+
+
+# ----------------------------------------------------------------- helpers --
+
+def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
+  """Normalises ``axis_name`` to a tuple and checks every axis is bound."""
+  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  if not axes or not all(isinstance(a, str) for a in axes):
+    raise WeightedAccumulationError(
+        f"{what}: axis_name={axis_name!r} is not a mesh axis name; pass the "
+        "data-parallel axis, e.g. 'data', or a tuple such as ('data', 'fsdp').")
+  for a in axes:
+    try:
+      jax.lax.axis_size(a)
+    except NameError as e:
+      raise WeightedAccumulationError(
+          f"{what}: axis {a!r} is not bound here. Call this inside "
+          f"jax.shard_map over a mesh with an axis named {a!r}; under plain "
+          "jax.jit use the core functions on global arrays instead (see "
+          "weighted_accum.distributed).") from e
+  return axes
+
+
+def _axes_size(axes: tuple[str, ...]) -> int:
+  return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+def _vma(x: Any) -> frozenset:
+  """The mesh axes ``x`` varies over (``jax.typeof(x).vma`` in newer JAX,
+  ``.mat.varying`` in jax 0.10)."""
+  aval = jax.typeof(x)
+  v = getattr(aval, "vma", None)
+  if v is None:
+    mat = getattr(aval, "mat", None)
+    v = getattr(mat, "varying", frozenset())
+  return frozenset(v)
+
+
+def _vma_checked(axes: tuple[str, ...]) -> bool:
+  """Whether ``shard_map`` tracks varying types (``check_vma=True``).
+
+  With ``check_vma=False`` every value reads as unvarying and autodiff does
+  not sum gradients of replicated params: they are local.
+  """
+  return axes[0] in _vma(jax.lax.axis_index(axes[0]))
+
+
+def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
+  """Casts every leaf to varying over ``axes`` (no-op where it already is)."""
+  if not _vma_checked(axes):
+    return tree
+
+  def cast(x):
+    missing = tuple(a for a in axes if a not in _vma(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def _like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
+  """Casts ``x`` to vary over the ``axes`` that ``ref`` varies over."""
+  missing = tuple(a for a in axes if a in _vma(ref) and a not in _vma(x))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _check_reduce(reduce: str, what: str) -> None:
+  if reduce not in REDUCE_MODES:
+    raise WeightedAccumulationError(
+        f"{what}: reduce={reduce!r} is not one of {REDUCE_MODES}. Use "
+        "'window' (one all-reduce per window, the default) or 'microbatch'.")
+
+
+def _leaf_status(leaves: list[Any], paths: list[str],
+                 axes: tuple[str, ...], what: str) -> bool:
+  """True when all leaves are already reduced over ``axes``, False when all
+  are local; raises for a mixture."""
+  if not _vma_checked(axes):
+    return False
+  status = None
+  for path, x in zip(paths, leaves):
+    v = _vma(x) & set(axes)
+    if v and v != set(axes):
+      raise WeightedAccumulationError(
+          f"{what}: leaf {path} varies over {sorted(v)} but not over "
+          f"{sorted(set(axes) - v)}; gradients must be either all local "
+          f"(varying over every axis of {axes}) or all already reduced. Get "
+          "them with weighted_accum.distributed.local_grad.")
+    reduced = not v
+    if status is None:
+      status = (path, reduced)
+    elif status[1] != reduced:
+      kind = lambda r: "already reduced (unvarying)" if r else "local (varying)"
+      raise WeightedAccumulationError(
+          f"{what}: leaf {path} is {kind(reduced)} over {axes} but leaf "
+          f"{status[0]} is {kind(status[1])}. Differentiate with respect to "
+          "all params in one way: weighted_accum.distributed.local_grad casts "
+          "them all to varying.")
+  return bool(status and status[1])
+
+
+def _mean_contrib(g: jax.Array, w: jax.Array, dt: jnp.dtype) -> jax.Array:
+  """``cast(g, dt) * w`` exactly as ``core.accumulate_mean`` computes it."""
+  return (g.astype(dt).astype(core._compute_dtype(dt)) * w).astype(dt)  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------- autodiff --
+
+def is_reduced(grads: Any, axis_name: AxisName) -> bool:
+  """Whether ``grads`` were already summed over ``axis_name`` by autodiff.
+
+  Inside ``jax.shard_map`` (``check_vma=True``) the gradient with respect to
+  a param that is unvarying over the axis (passed with ``P()``) comes out
+  unvarying: autodiff summed it over the replicas. Local gradients (params
+  cast to varying, see :func:`local_grad`) vary over the axis.
+
+  Args:
+    grads: a gradient tree computed inside ``shard_map``.
+    axis_name: the data axis name, or a tuple of names.
+
+  Returns:
+    True for already-reduced gradients, False for local ones (and always
+    False under ``check_vma=False``, where autodiff does not reduce).
+
+  Raises:
+    WeightedAccumulationError: for an unbound axis, or a tree mixing local
+      and reduced leaves (naming the leaf).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> loss = lambda p, x: jnp.sum(x * p)
+    >>> seen = []
+    >>> def f(p, x):
+    ...   seen.append(dist.is_reduced(jax.grad(loss)(p, x), 'data'))
+    ...   seen.append(dist.is_reduced(dist.local_grad(loss, 'data')(p, x),
+    ...                               'data'))
+    ...   return p
+    >>> _ = jax.shard_map(f, mesh=mesh, in_specs=(P(), P('data')),
+    ...                   out_specs=P())(jnp.ones(()), jnp.ones(len(mesh.devices)))
+    >>> seen
+    [True, False]
+  """
+  axes = _axes(axis_name, "is_reduced")
+  leaves = jax.tree.leaves(grads)
+  return _leaf_status(leaves, errors.leaf_paths(grads), axes,
+                      "is_reduced(grads)")
+
+
+def _cast_args(args: tuple, argnums: int | Sequence[int],
+               axes: tuple[str, ...]) -> tuple:
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  args = list(args)
+  for i in nums:
+    args[i] = _to_varying(args[i], axes)
+  return tuple(args)
+
+
+def local_grad(fun: Callable[..., Any], axis_name: AxisName, *,
+               argnums: int | Sequence[int] = 0,
+               has_aux: bool = False) -> Callable[..., Any]:
+  """``jax.grad`` that returns this replica's own gradient inside shard_map.
+
+  Casts the differentiated arguments to varying over ``axis_name`` first
+  (``jax.lax.pcast(..., to='varying')``; leaves that already vary are left
+  alone), so autodiff does NOT sum the gradient over the replicas. Feed the
+  result to the core or distributed ``accumulate_*`` and reduce once per
+  window with :func:`finish_mean`.
+
+  Args:
+    fun: the loss, as for ``jax.grad``.
+    axis_name: the data axis name, or a tuple of names.
+    argnums: which positional arguments to differentiate.
+    has_aux: as for ``jax.grad``.
+
+  Returns:
+    A function with ``fun``'s signature returning the local gradient (and
+    the aux value when ``has_aux``).
+
+  Raises:
+    WeightedAccumulationError: when called where ``axis_name`` is not bound.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> n = jax.device_count()
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> loss = lambda p, x: jnp.sum(x * p)
+    >>> f = jax.shard_map(
+    ...     lambda p, x: jax.lax.psum(dist.local_grad(loss, 'data')(p, x),
+    ...                               'data'),
+    ...     mesh=mesh, in_specs=(P(), P('data')), out_specs=P())
+    >>> float(f(jnp.ones(()), jnp.ones(n))) == n   # the sum of n local grads
+    True
+  """
+  grad_fn = jax.grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def wrapped(*args, **kwargs):
+    axes = _axes(axis_name, "local_grad")
+    return grad_fn(*_cast_args(args, argnums, axes), **kwargs)
+
+  return wrapped
+
+
+def local_value_and_grad(fun: Callable[..., Any], axis_name: AxisName, *,
+                         argnums: int | Sequence[int] = 0,
+                         has_aux: bool = False) -> Callable[..., Any]:
+  """``jax.value_and_grad`` with this replica's own gradient; see
+  :func:`local_grad`.
+
+  Args:
+    fun: the loss, as for ``jax.value_and_grad``.
+    axis_name: the data axis name, or a tuple of names.
+    argnums: which positional arguments to differentiate.
+    has_aux: as for ``jax.value_and_grad``.
+
+  Returns:
+    A function returning ``(value, local_grads)`` (value is ``(loss, aux)``
+    when ``has_aux``); the value is this replica's local loss.
+
+  Raises:
+    WeightedAccumulationError: when called where ``axis_name`` is not bound.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> loss = lambda p, x: jnp.sum(x * p)
+    >>> def f(p, x):
+    ...   value, g = dist.local_value_and_grad(loss, 'data')(p, x)
+    ...   return jax.lax.psum((value, g), 'data')  # local values, summed once
+    >>> x = jnp.arange(len(mesh.devices), dtype=jnp.float32)
+    >>> total, grad = jax.shard_map(f, mesh=mesh, in_specs=(P(), P('data')),
+    ...                             out_specs=P())(jnp.ones(()), x)
+    >>> bool(total == x.sum()), bool(grad == x.sum())
+    (True, True)
+  """
+  vg_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def wrapped(*args, **kwargs):
+    axes = _axes(axis_name, "local_value_and_grad")
+    return vg_fn(*_cast_args(args, argnums, axes), **kwargs)
+
+  return wrapped
+
+
+# ------------------------------------------------------------ accumulation --
+
+def init(params: Any, axis_name: AxisName, dtype: Any = jnp.float32,
+         loss_scale: float | jax.Array = 1.0) -> AccumState:
+  """An empty per-replica window for ``reduce="window"`` inside shard_map.
+
+  Like :func:`weighted_accum.init`, then every per-replica leaf (buffers,
+  counts, weight) is cast to varying over ``axis_name``, so the state can be
+  the carry of a ``lax.scan`` over microbatches (whose carry type may not
+  change). ``windows`` and ``loss_scale`` stay unvarying. For
+  ``reduce="microbatch"`` use plain :func:`weighted_accum.init`: its state
+  stays identical on every replica.
+
+  Args:
+    params: the (local) params, as for :func:`weighted_accum.init`.
+    axis_name: the data axis name, or a tuple of names.
+    dtype: the work dtype.
+    loss_scale: the window's loss scale, the same on every replica.
+
+  Returns:
+    An empty :class:`~weighted_accum.AccumState` typed per replica.
+
+  Raises:
+    WeightedAccumulationError: as :func:`weighted_accum.init`, or for an
+      unbound axis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> def f(p):
+    ...   s = dist.init(p, 'data')
+    ...   print(dist.is_reduced(s.grads, 'data'))
+    ...   return p
+    >>> _ = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(
+    ...     jnp.zeros(3))
+    False
+  """
+  axes = _axes(axis_name, "distributed.init")
+  s = state_lib.init(params, dtype=dtype, loss_scale=loss_scale)
+  return s.replace(**{
+      k: _to_varying(getattr(s, k), axes)
+      for k in ("grads", "issued", "zero_weight", "rejected", "weight_hi",
+                "weight_lo")})
+
+
+def _accumulate(state: AccumState, grads: Any, weight: Any,
+                axis_name: AxisName, *, mean: bool, reduce: str,
+                checked: bool, name: str) -> AccumState:
+  what = f"distributed.{name}"
+  axes = _axes(axis_name, what)
+  _check_reduce(reduce, what)
+  leaves = errors.match_tree(state.grads, grads, what=f"{what}(grads)")
+  paths = errors.leaf_paths(state.grads)
+  errors.check_leaves_floating(list(zip(paths, leaves)),
+                               what=f"{what}(grads)")
+  errors.check_weight(weight, what=f"{what}(weight)")
+  vma_on = _vma_checked(axes)
+  if reduce == "microbatch" and vma_on:
+    varying = [p for p, b in zip(paths, jax.tree.leaves(state.grads))
+               if _vma(b) & set(axes)]
+    if varying:
+      raise WeightedAccumulationError(
+          f"{what}(state): buffer {varying[0]} varies over {axes}: this "
+          "window holds per-replica sums (reduce='window'). Keep one mode per "
+          "window: pass reduce='window', or start the window with "
+          "weighted_accum.init for reduce='microbatch'.")
+  reduced = _leaf_status(leaves, paths, axes, f"{what}(grads)")
+  core_fn = core.accumulate_mean if mean else core.accumulate_sum
+  if not reduced and reduce == "window":
+    return core_fn(state, grads, weight, checked=checked)
+
+  _, treedef = jax.tree.flatten(state.grads)
+  dt = state.dtype
+  w = jnp.asarray(weight, jnp.float32)
+  bad = ~(jnp.isfinite(w) & (w >= 0))
+  w_ok = jnp.where(bad, 0.0, w)
+  if reduced and mean:
+    if set(axes) & _vma(weight):
+      raise WeightedAccumulationError(
+          f"{what}(grads): these gradients of per-replica MEAN losses were "
+          f"already summed over {axes} by autodiff (the params are unvarying "
+          "there), which weights every replica equally whatever its item "
+          "count, and the weights differ per replica: this cannot be undone. "
+          "Differentiate with weighted_accum.distributed.local_grad (or "
+          f"jax.lax.pcast(params, {axes!r}, to='varying')), or differentiate "
+          "the loss SUM and use accumulate_sum.")
+    # Every replica divided by the same count n: n * grads is the sum of the
+    # replicas' loss-sum gradients, and the global weight is n * replicas.
+    contrib = [_mean_contrib(g, w_ok, dt) for g in leaves]
+    total = w_ok * _axes_size(axes)
+    n_bad = bad.astype(jnp.float32)
+  elif reduced:
+    contrib = leaves
+    total, n_bad = jax.lax.psum((w_ok, bad.astype(jnp.float32)), axes)
+  else:  # local gradients, reduce="microbatch": one psum of sums and weight
+    take = ~bad & (w_ok > 0)
+    zero = jnp.zeros((), dt)
+    contrib = [jnp.where(take, _mean_contrib(g, w_ok, dt) if mean
+                         else g.astype(dt), zero) for g in leaves]
+    contrib, total, n_bad = jax.lax.psum(
+        (contrib, w_ok, bad.astype(jnp.float32)), axes)
+  # Any replica's invalid weight rejects the microbatch on every replica.
+  gweight = jnp.where(n_bad > 0, jnp.nan, total)
+  if reduce == "window":
+    # Reduced grads in a per-replica window: one replica owns the global
+    # contribution, the others add nothing; finish_mean's psum restores it
+    # exactly (no division by the replica count, no rounding).
+    owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
+    gweight = jnp.where(owner | (n_bad > 0), gweight, 0.0)
+  return core.accumulate_sum(state, jax.tree.unflatten(treedef, contrib),
+                             gweight, checked=checked)
+
+
+def accumulate_sum(state: AccumState, grads: Any, weight: Any,
+                   axis_name: AxisName, *, reduce: str = "window",
+                   checked: bool = False) -> AccumState:
+  """Adds a replica's gradients of its microbatch's loss SUM, inside shard_map.
+
+  Accepts local gradients (from :func:`local_grad`) and gradients already
+  summed over ``axis_name`` by autodiff (``jax.grad`` of unvarying params)
+  alike, telling them apart by type, and gives the same exact result.
+
+  Args:
+    state: the window (from :func:`init` for ``reduce="window"``, from
+      :func:`weighted_accum.init` for ``reduce="microbatch"``).
+    grads: gradients of THIS replica's loss sum (local), or their sum over
+      the replicas (already reduced by autodiff).
+    weight: THIS replica's item count for the microbatch (0 allowed).
+    axis_name: the data axis name, or a tuple of names.
+    reduce: ``"window"`` (default): local gradients are added as they are and
+      :func:`finish_mean` reduces once; already-reduced ones are added by one
+      replica (the others add zero) after a scalar ``psum`` of the weights.
+      ``"microbatch"``: sums and weights are all-reduced now (one collective
+      per microbatch) and every replica adds the global values.
+    checked: as for :func:`weighted_accum.accumulate_sum`.
+
+  Returns:
+    The new state. An invalid weight on any replica rejects the microbatch
+    on every replica when the weights are reduced now; in window mode with
+    local gradients it is rejected on its own replica only.
+
+  Raises:
+    WeightedAccumulationError: for an unbound axis, an unknown ``reduce``, a
+      grads tree not matching the buffers or mixing local and reduced leaves,
+      or (microbatch mode) a state that holds per-replica sums.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> n = jax.device_count()
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> loss_sum = lambda p, x: jnp.sum(x * p)
+    >>> def step(p, x):   # x: this replica's items; every item's grad is x
+    ...   s = dist.init(p, 'data')
+    ...   g = jax.grad(loss_sum)(p, x)          # already reduced: also fine
+    ...   s = dist.accumulate_sum(s, g, x.size, 'data')
+    ...   return dist.finish_mean(s, 'data')[0].grads
+    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                   out_specs=P())
+    >>> float(f(jnp.ones(()), jnp.arange(2. * n)))   # mean of 0..2n-1
+    7.5
+  """
+  return _accumulate(state, grads, weight, axis_name, mean=False,
+                     reduce=reduce, checked=checked, name="accumulate_sum")
+
+
+def accumulate_mean(state: AccumState, grads: Any, weight: Any,
+                    axis_name: AxisName, *, reduce: str = "window",
+                    checked: bool = False) -> AccumState:
+  """Adds a replica's gradients of its microbatch's loss MEAN, inside shard_map.
+
+  ``weight`` is THIS replica's count the mean divided by; the contribution
+  is ``cast(grads) * weight`` as in :func:`weighted_accum.accumulate_mean`.
+  Gradients already reduced by autodiff are accepted when every replica used
+  the same count (an unvarying ``weight``); with per-replica counts they are
+  the equal-weight average of unequal means, which cannot be undone, and
+  this raises.
+
+  Args:
+    state: the window; see :func:`accumulate_sum`.
+    grads: gradients of THIS replica's mean loss (local), or already reduced.
+    weight: THIS replica's item count the mean divided by.
+    axis_name: the data axis name, or a tuple of names.
+    reduce: ``"window"`` or ``"microbatch"``; see :func:`accumulate_sum`.
+    checked: as for :func:`weighted_accum.accumulate_mean`.
+
+  Returns:
+    The new state; see :func:`accumulate_sum`.
+
+  Raises:
+    WeightedAccumulationError: as :func:`accumulate_sum`, and for
+      already-reduced mean gradients with a per-replica (varying) weight.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> n = jax.device_count()
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> loss_mean = lambda p, x: jnp.mean(x * p)
+    >>> def step(p, x):
+    ...   s = dist.init(p, 'data')
+    ...   g = dist.local_grad(loss_mean, 'data')(p, x)
+    ...   s = dist.accumulate_mean(s, g, x.size, 'data')
+    ...   return dist.finish_mean(s, 'data')[0].grads
+    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                   out_specs=P())
+    >>> float(f(jnp.ones(()), jnp.arange(2. * n)))
+    7.5
+  """
+  return _accumulate(state, grads, weight, axis_name, mean=True,
+                     reduce=reduce, checked=checked, name="accumulate_mean")
+
+
+# --------------------------------------------------------------- reduction --
+
+def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
+            loss_scale: Any, axes: tuple[str, ...],
+            what: str) -> AccumulatedGradients:
+  """One collective round: psum of the varying sums with weights and count,
+  then divide by the loss scale, then by the global weight."""
+  vma_on = _vma_checked(axes)
+  if vma_on and set(axes) & _vma(loss_scale):
+    raise WeightedAccumulationError(
+        f"{what}: the loss scale varies over {axes}; every replica must use "
+        "the same loss scale for a window. Pass it in with P() (unvarying).")
+  leaves, treedef = jax.tree.flatten(sums)
+  groups: dict[tuple[str, ...], list[int]] = {}
+  for i, x in enumerate(leaves):
+    # An unvarying leaf is identical on every replica: already global (an
+    # empty window's zeros, or sums of gradients autodiff reduced).
+    ax = tuple(a for a in axes if a in _vma(x)) if vma_on else axes
+    if ax:
+      groups.setdefault(ax, []).append(i)
+  # Weights and the count are per replica by contract: always summed.
+  scalars = [jnp.asarray(p, jnp.float32) for p in weight_parts]
+  scalars.append(jnp.asarray(issued, jnp.float32))  # exact below 2**24
+  full = groups.pop(axes, [])
+  red, scalars = jax.lax.psum(([leaves[i] for i in full], scalars), axes)
+  out = list(leaves)
+  for i, v in zip(full, red):
+    out[i] = v
+  for ax, idx in groups.items():
+    for i, v in zip(idx, jax.lax.psum([leaves[i] for i in idx], ax)):
+      out[i] = v
+  weight = sum(scalars[:-1][1:], scalars[0])
+  ok = weight > 0
+  ls = jnp.asarray(loss_scale, jnp.float32)
+
+  def normalise(b):
+    ct = core._compute_dtype(b.dtype)  # pylint: disable=protected-access
+    g = (b.astype(ct) / ls.astype(ct)) / weight.astype(ct)  # sequential
+    return jnp.where(ok, g, jnp.zeros((), ct)).astype(b.dtype)
+
+  grads = jax.tree.unflatten(treedef, [normalise(b) for b in out])
+  # Computed from all-reduced (hence identical) values only, so every
+  # replica reports the same flags.
+  finite = ok & core._all_finite(grads)  # pylint: disable=protected-access
+  return AccumulatedGradients(
+      grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
+      issued=scalars[-1].astype(jnp.int32), finite=finite, valid=finite)
+
+
+def reduce_sums(out: AccumulatedGradients,
+                axis_name: AxisName) -> AccumulatedGradients:
+  """The global mean from a replica's :func:`weighted_accum.finish_sums`.
+
+  One collective round (one ``psum`` of the sums together with the weight and
+  the microbatch count over ``axis_name``), then the division by the loss
+  scale and then by the global weight, in at least float32, result in the
+  work dtype. Sums that are unvarying over the axis are taken as already
+  global (summed by autodiff) and not summed again; weights are always
+  summed (each replica's own count).
+
+  Args:
+    out: this replica's ``finish_sums`` result.
+    axis_name: the data axis name, or a tuple of names.
+
+  Returns:
+    An :class:`~weighted_accum.AccumulatedGradients` with the global mean
+    gradient, global weight and ``issued``, and ``finite``/``valid`` equal
+    on every replica (``valid`` is false for a zero global weight, with zero
+    grads).
+
+  Raises:
+    WeightedAccumulationError: for an unbound axis or a loss scale that
+      varies over the axis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import weighted_accum as wa
+    >>> from weighted_accum import distributed as dist
+    >>> n = jax.device_count()
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> def step(p, x):
+    ...   s = wa.accumulate_sum(wa.init(p), {'w': jnp.sum(x)}, x.size)
+    ...   out, s = wa.finish_sums(s)
+    ...   return dist.reduce_sums(out, 'data').grads
+    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                   out_specs=P())
+    >>> float(f({'w': jnp.zeros(())}, jnp.arange(2. * n))['w'])
+    7.5
+  """
+  axes = _axes(axis_name, "reduce_sums")
+  return _reduce(out.grads, (out.weight,), out.issued, out.loss_scale, axes,
+                 "reduce_sums")
+
+
+def finish_mean(state: AccumState, axis_name: AxisName, *,
+                reduce: str = "window", next_loss_scale: Any = None
+                ) -> tuple[AccumulatedGradients, AccumState]:
+  """Finishes a data-parallel window: the exact global mean gradient.
+
+  ``reduce="window"``: :func:`weighted_accum.finish_sums` then
+  :func:`reduce_sums`, summing the weight's exact (hi, lo) pair; one
+  collective round. ``reduce="microbatch"``: the buffers already hold the
+  global sums, so this is :func:`weighted_accum.finish_mean` with no
+  communication.
+
+  Args:
+    state: the window.
+    axis_name: the data axis name, or a tuple of names.
+    reduce: the mode the window was accumulated in.
+    next_loss_scale: the next window's loss scale (default: unchanged).
+
+  Returns:
+    ``(out, new_state)``: ``out`` as :func:`reduce_sums` (identical on every
+    replica). ``new_state`` is an empty window typed like ``state`` (a
+    ``lax.scan`` carry stays valid); for a zero global weight its counters
+    are unchanged, as in :func:`weighted_accum.finish_mean` under ``jit``.
+
+  Raises:
+    WeightedAccumulationError: for an unbound axis, an unknown ``reduce``, a
+      loss scale varying over the axis, or ``reduce="microbatch"`` on a state
+      holding per-replica sums.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import weighted_accum as wa
+    >>> from weighted_accum import distributed as dist
+    >>> n = jax.device_count()
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> def step(p, x):
+    ...   s = wa.init(p)
+    ...   g = dist.local_grad(lambda p: jnp.sum(x * p), 'data')(p)
+    ...   s = dist.accumulate_sum(s, g, x.size, 'data', reduce='microbatch')
+    ...   return dist.finish_mean(s, 'data', reduce='microbatch')[0].grads
+    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                   out_specs=P())
+    >>> float(f(jnp.ones(()), jnp.arange(2. * n)))
+    7.5
+  """
+  what = "distributed.finish_mean"
+  axes = _axes(axis_name, what)
+  _check_reduce(reduce, what)
+  if reduce == "microbatch":
+    if _vma_checked(axes):
+      named = [("weight", state.weight_hi)] + list(
+          zip(errors.leaf_paths(state.grads), jax.tree.leaves(state.grads)))
+      for path, x in named:
+        if _vma(x) & set(axes):
+          raise WeightedAccumulationError(
+              f"{what}(state): {path} varies over {axes}, so the window holds "
+              "per-replica values, not the global sums reduce='microbatch' "
+              "keeps. Finish it with reduce='window'.")
+    return core.finish_mean(state, next_loss_scale=next_loss_scale)
+  local, reset = core.finish_sums(state, next_loss_scale=next_loss_scale)
+  out = _reduce(local.grads, (state.weight_hi, state.weight_lo), state.issued,
+                state.loss_scale, axes, what)
+  ok = out.weight > 0
+  # A window of zero global weight keeps its counters (its buffers are zero).
+  counters = jax.tree.map(
+      lambda r, s: _like(jnp.where(ok, r, s), s, axes),
+      reset.replace(grads=None), state.replace(grads=None))
+  grads = jax.tree.map(lambda r, s: _like(r, s, axes), reset.grads,
+                       state.grads)
+  return out, counters.replace(grads=grads)
