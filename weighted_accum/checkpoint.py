@@ -369,8 +369,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise WeightedAccumulationError(
           f"{where}: could not read the checkpoint's arrays "
-          f"({type(e).__name__}: {e}). Files are missing or truncated (an "
-          "interrupted copy?); restore another step.") from e
+          f"({type(e).__name__}: {e}). Its files are missing, truncated or "
+          "corrupt (an interrupted copy?); restore another step.") from e
     return self._rebuild(template, restored, where)
 
   def _read_metadata(self, directory: epath.Path, where: str) -> Any:
@@ -380,10 +380,12 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise WeightedAccumulationError(
           f"{where}: the metadata file is missing ({e}). The item is "
           "incomplete; restore another step.") from e
-    except (ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Orbax reads _METADATA, then every array's TensorStore metadata.
       raise WeightedAccumulationError(
-          f"{where}: the metadata file is unreadable ({type(e).__name__}: "
-          f"{e}); it is truncated or corrupt. Restore another step.") from e
+          f"{where}: could not read the item's metadata ({type(e).__name__}: "
+          f"{e}). Its files are missing, truncated or corrupt (an "
+          "interrupted copy?); restore another step.") from e
 
   def _check_options(self, custom: Any, where: str) -> dict[str, Any]:
     options = custom.get(OPTIONS_KEY) if isinstance(custom, dict) else None

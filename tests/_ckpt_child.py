@@ -1,0 +1,169 @@
+"""Child process for tests/test_checkpoint.py (not a test module itself).
+
+Also the shared problem definition: deterministic microbatch gradients and
+weights, so that the test process and a fresh child process feed exactly the
+same values. Gradients are generated, not computed from a model, so that they
+are bitwise the same on any mesh (accumulation is elementwise).
+
+Usage (the caller sets XLA_FLAGS for the device count):
+  python tests/_ckpt_child.py resume CKPT_DIR OUT_NPZ   # every saved step
+  python tests/_ckpt_child.py crash CKPT_DIR            # hangs in step 2's
+                                                        # write; kill it
+  python tests/_ckpt_child.py optax CKPT_DIR OUT_NPZ    # wrapper resume
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {"dense": {"kernel": (16, 8), "bias": (8,)}, "head": (8, 4)}
+SPECS = {"dense": {"kernel": ("a", "b"), "bias": ("b",)}, "head": ("a",)}
+# Fractional, zero and repeated weights; microbatch 1 is fully masked (its
+# mean-loss gradient is NaN and must add nothing).
+WEIGHTS = (3.0, 0.0, 2.5, 7.0, 1.0, 4.0)
+MEAN = (True, True, False, True, False, True)  # accumulate_mean or _sum
+K = len(WEIGHTS)
+DTYPE = "bfloat16"
+LOSS_SCALE = 8.0
+
+
+def _tree_map(fn, *trees):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(fn, *trees, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def host_params() -> dict:
+  rng = np.random.default_rng(0)
+  return _tree_map(lambda s: rng.standard_normal(s).astype(np.float32),
+                   SHAPES)
+
+
+def make_mesh(n_devices: int):
+  import jax  # pylint: disable=g-import-not-at-top
+  devs = np.array(jax.devices()[:n_devices])
+  return jax.sharding.Mesh(devs.reshape(n_devices // 2, 2) if n_devices > 2
+                           else devs.reshape(n_devices, 1), ("a", "b"))
+
+
+def shardings(mesh) -> dict:
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  return _tree_map(lambda spec: NamedSharding(mesh, PartitionSpec(*spec)),
+                   SPECS)
+
+
+def place(tree: dict, mesh) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(jax.device_put, tree, shardings(mesh))
+
+
+def host_grads(i: int) -> dict:
+  """Microbatch i's gradient (times LOSS_SCALE), in float32, on host."""
+  rng = np.random.default_rng(1000 + i)
+  def leaf(s):
+    g = (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 3)).astype(
+        np.float32) * np.float32(LOSS_SCALE)
+    if WEIGHTS[i] == 0:
+      g[...] = np.nan
+    return g
+  return _tree_map(leaf, SHAPES)
+
+
+def feed_fn():
+  """The jitted, donating step both runs use: one microbatch in."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  def feed(state, grads, weight, mean):
+    fn = wa.accumulate_mean if mean else wa.accumulate_sum
+    return fn(state, grads, weight)
+
+  return jax.jit(feed, static_argnums=3, donate_argnums=0)
+
+
+def run(state, start: int, stop: int, mesh):
+  feed = feed_fn()
+  for i in range(start, stop):
+    state = feed(state, place(host_grads(i), mesh), np.float32(WEIGHTS[i]),
+                 MEAN[i])
+  return state
+
+
+def to_host(tree) -> dict:
+  """Flat {keystr path: NumPy copy} of a tree's leaves."""
+  import jax  # pylint: disable=g-import-not-at-top
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
+
+
+def _resume(ckpt_dir: str, out: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  mesh = make_mesh(len(jax.devices()))
+  params = place(host_params(), mesh)
+  template = wa.abstract_state(params, jnp.dtype(DTYPE))
+  results = {}
+  with ocp.CheckpointManager(ckpt_dir) as mngr:
+    for step in mngr.all_steps():
+      got = mngr.restore(step, args=ocp.args.Composite(
+          accum=wa.AccumRestore(template), data=ocp.args.JsonRestore()))
+      state = got.accum
+      # Where the restored buffers live: must be this process's mesh.
+      results[f"{step}/placed_as_params"] = np.array(all(
+          b.sharding.is_equivalent_to(p.sharding, b.ndim) for b, p in
+          zip(jax.tree.leaves(state.grads), jax.tree.leaves(params))))
+      results[f"{step}/issued"] = np.asarray(state.issued)
+      state = run(state, got.data["next_microbatch"], K, mesh)
+      out_grads, _ = wa.finish_mean(state)
+      for path, x in to_host(out_grads.grads).items():
+        results[f"{step}/grads{path}"] = x.view(np.uint16)
+      results[f"{step}/weight"] = np.asarray(out_grads.weight)
+  np.savez(out, **results)
+  print("DONE", flush=True)
+
+
+def _crash(ckpt_dir: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  mesh = make_mesh(len(jax.devices()))
+  params = place(host_params(), mesh)
+  state = run(wa.init(params, jnp.dtype(DTYPE), LOSS_SCALE), 0, 2, mesh)
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+  mngr = ocp.CheckpointManager(ckpt_dir, options=options)
+  mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+  mngr.wait_until_finished()
+  state = run(state, 2, 4, mesh)
+
+  # Stall step 2's write after its array data is written and before its
+  # metadata is, so that the SIGKILL lands in the middle of the save.
+  async def stall(*args, **kwargs):
+    del args, kwargs
+    print("WRITING", flush=True)
+    time.sleep(600)
+
+  ocp.BasePyTreeCheckpointHandler._write_metadata_file = stall  # pylint: disable=protected-access
+  mngr.save(2, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+  print("SAVE-RETURNED", flush=True)
+  time.sleep(600)
+
+
+def main(argv: list[str]) -> None:
+  cmd = argv[1]
+  if cmd == "resume":
+    _resume(argv[2], argv[3])
+  elif cmd == "crash":
+    _crash(argv[2])
+  else:
+    raise SystemExit(f"unknown command {cmd!r}")
+
+
+if __name__ == "__main__":
+  main(sys.argv)
