@@ -127,6 +127,66 @@ def _resume(ckpt_dir: str, out: str) -> None:
   print("DONE", flush=True)
 
 
+OPTAX_K = 3  # microbatches per window; K microbatches make two windows
+
+
+def optax_tx():
+  import optax  # pylint: disable=g-import-not-at-top
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+  return wa.weighted_multi_steps(optax.adamw(1e-2, weight_decay=0.1),
+                                 every_k=OPTAX_K)
+
+
+def optax_step_fn():
+  """One jitted, donating microbatch step of the wrapper + apply_updates.
+
+  The gradient depends on the params (elementwise), so a resume is only
+  exact if params, inner optimizer state and window all come back exactly.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  tx = optax_tx()
+
+  def step(params, opt_state, noise, weight):
+    grads = jax.tree.map(lambda p, n: jnp.sin(3.0 * p) + n, params, noise)
+    updates, opt_state = tx.update(grads, opt_state, params, weight=weight)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def optax_run(params, opt_state, start: int, stop: int):
+  step = optax_step_fn()
+  for i in range(start, stop):
+    noise = host_grads(i)  # NaN for the zero-weight microbatch
+    params, opt_state = step(params, opt_state, noise, np.float32(WEIGHTS[i]))
+  return params, opt_state
+
+
+def _optax(ckpt_dir: str, out: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  params0 = jax.tree.map(jax.numpy.asarray, host_params())
+  abstract_params = jax.eval_shape(lambda: params0)
+  template = jax.eval_shape(optax_tx().init, params0)
+  results = {}
+  with ocp.CheckpointManager(ckpt_dir) as mngr:
+    for step in mngr.all_steps():
+      got = mngr.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract_params),
+          opt=wa.AccumRestore(template), data=ocp.args.JsonRestore()))
+      params, opt_state = optax_run(got.params, got.opt,
+                                    got.data["next_microbatch"], K)
+      for path, x in to_host(params).items():
+        results[f"{step}/params{path}"] = x
+      results[f"{step}/gradient_step"] = np.asarray(opt_state.gradient_step)
+  np.savez(out, **results)
+  print("DONE", flush=True)
+
+
 def _crash(ckpt_dir: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -161,6 +221,8 @@ def main(argv: list[str]) -> None:
     _resume(argv[2], argv[3])
   elif cmd == "crash":
     _crash(argv[2])
+  elif cmd == "optax":
+    _optax(argv[2], argv[3])
   else:
     raise SystemExit(f"unknown command {cmd!r}")
 

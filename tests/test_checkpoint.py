@@ -111,6 +111,41 @@ def test_resume_in_new_process_on_other_mesh_is_bitwise(tmp_path, mesh8):
       assert x.tobytes() == raw, (step, path)
 
 
+@pytest.mark.slow
+def test_optax_wrapper_resume_in_new_process_is_bitwise(tmp_path):
+  fresh = lambda: jax.tree.map(jnp.asarray, child.host_params())
+  tx = child.optax_tx()
+  # Run A: two windows of adamw, uninterrupted (the step donates its inputs).
+  params_a, state_a = child.optax_run(fresh(), tx.init(fresh()), 0, child.K)
+  assert int(state_a.gradient_step) == 2
+  # Run B: saved mid-window 1, at the close of window 1, mid-window 2.
+  saved_at = (1, 3, 4)
+  params = fresh()
+  opt_state = tx.init(params)
+  options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+  with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
+    for i in range(child.K):
+      if i in saved_at:
+        mngr.save(i, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt=wa.AccumSave(opt_state),
+            data=ocp.args.JsonSave({"next_microbatch": i})))
+      params, opt_state = child.optax_run(params, opt_state, i, i + 1)
+  assert _bits(params) == _bits(params_a)  # donation did not hurt the saves
+  out = tmp_path / "resumed.npz"
+  proc = subprocess.run(
+      [sys.executable, str(CHILD), "optax", str(tmp_path / "ckpt"), str(out)],
+      env=_child_env(1), capture_output=True, text=True, timeout=240,
+      check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = np.load(out)
+  for step in saved_at:
+    assert int(got[f"{step}/gradient_step"]) == 2
+    for path, _, shape, raw in _bits(params_a):
+      x = got[f"{step}/params{path}"]
+      assert x.shape == shape and x.tobytes() == raw, (step, path)
+
+
 @given(weights=st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 1e3, 7.25]),
                         min_size=1, max_size=5),
        j=st.integers(0, 5), seed=st.integers(0, 2**16),
