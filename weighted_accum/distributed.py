@@ -659,7 +659,8 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
 
   Returns:
     ``(out, new_state)``: ``out`` as :func:`reduce_sums` (identical on every
-    replica). ``new_state`` is an empty window typed like ``state`` (a
+    replica; ``out.issued`` counts microbatches summed over the replicas, K
+    per replica in either mode). ``new_state`` is an empty window typed like ``state`` (a
     ``lax.scan`` carry stays valid); for a zero global weight its counters
     are unchanged, as in :func:`weighted_accum.finish_mean` under ``jit``.
 
@@ -698,7 +699,9 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
               f"{what}(state): {path} varies over {axes}, so the window holds "
               "per-replica values, not the global sums reduce='microbatch' "
               "keeps. Finish it with reduce='window'.")
-    return core.finish_mean(state, next_loss_scale=next_loss_scale)
+    out, new_state = core.finish_mean(state, next_loss_scale=next_loss_scale)
+    # Each accumulate call covered one microbatch on every replica.
+    return out.replace(issued=out.issued * _axes_size(axes)), new_state
   local, reset = core.finish_sums(state, next_loss_scale=next_loss_scale)
   out = _reduce(local.grads, (state.weight_hi, state.weight_lo), state.issued,
                 state.loss_scale, axes, what)

@@ -1,0 +1,93 @@
+"""Model, data and reference shared by test_distributed.py and its
+multi-process worker (_dp_worker.py). Pure NumPy/JAX, no device set-up.
+
+A one-hidden-layer regression with per-item importance weights: item i of
+microbatch k has weight ``m[k, i]`` (0 for padding, fractional allowed), the
+loss SUM is ``sum(m * l)`` and the loss MEAN is that divided by ``sum(m)``
+(NaN for an all-zero microbatch: 0/0). The exact target for the whole window
+on all replicas is ``grad(sum(m * l)) / sum(m)`` over the concatenated data.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+D, H = 5, 8          # input features, hidden units (H divisible by 8)
+WEIGHT_CHOICES = np.array([0.0, 0.5, 1.0, 1.0, 3.0], np.float32)
+
+
+def make_params(seed: int = 0) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)
+  return {
+      "w1": (rng.standard_normal((D, H)) / np.sqrt(D)).astype(np.float32),
+      "b1": (0.1 * rng.standard_normal(H)).astype(np.float32),
+      "w2": (rng.standard_normal(H) / np.sqrt(H)).astype(np.float32),
+  }
+
+
+def make_data(seed: int, k: int, replicas: int, per_replica: int,
+              zero_replica: int | None = None, zero_prob: float = 0.3):
+  """Window data ``x [K, R*B, D]``, ``y [K, R*B]``, ``m [K, R*B]``.
+
+  Replica r owns columns ``r*B:(r+1)*B`` (the layout of ``P(None, 'data')``).
+  Each (microbatch, replica) block is empty with probability ``zero_prob``;
+  ``zero_replica`` has no items in the whole window. At least one item of the
+  window has positive weight.
+  """
+  rng = np.random.default_rng(seed)
+  n = replicas * per_replica
+  x = rng.standard_normal((k, n, D)).astype(np.float32)
+  y = rng.standard_normal((k, n)).astype(np.float32)
+  m = rng.choice(WEIGHT_CHOICES, size=(k, n)).astype(np.float32)
+  blocks = m.reshape(k, replicas, per_replica)
+  blocks[rng.random((k, replicas)) < zero_prob] = 0.0
+  if zero_replica is not None:
+    blocks[:, zero_replica] = 0.0
+  if blocks.sum() == 0:
+    live = (zero_replica + 1) % replicas if zero_replica is not None else 0
+    blocks[0, live, 0] = 1.0
+  return x, y, blocks.reshape(k, n)
+
+
+def per_item_loss(p, x, y):
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  return (h @ p["w2"] - y) ** 2
+
+
+def loss_sum(p, x, y, m):
+  return jnp.sum(m * per_item_loss(p, x, y))
+
+
+def loss_mean(p, x, y, m):
+  return loss_sum(p, x, y, m) / jnp.sum(m)   # NaN for an empty microbatch
+
+
+@jax.jit
+def _full_batch_grad(p, x, y, m):
+  return jax.grad(lambda p: loss_sum(p, x, y, m) / jnp.sum(m))(p)
+
+
+def reference_grad(params, x, y, m):
+  """The single-device full-batch gradient of the window's mean loss."""
+  dev = jax.devices()[0]
+  args = jax.device_put((params, x.reshape(-1, D), y.reshape(-1),
+                         m.reshape(-1)), dev)
+  return jax.tree.map(np.asarray, _full_batch_grad(*args))
+
+
+def max_rel_err(got, ref) -> float:
+  """The largest error relative to its leaf's scale: max over leaves of
+  ``max|got - ref| / max|ref|``.
+
+  Leaf-scaled, because a single gradient component can be a near-zero
+  difference of large terms; there float32 summation order alone moves it
+  by 1e-5 of its own size while the error against the leaf is ~1e-7.
+  """
+  errs = []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    errs.append(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+  return float(max(errs))

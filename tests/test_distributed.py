@@ -1,0 +1,371 @@
+"""Data parallelism: exact global weighting across replicas (issue 6).
+
+Every equivalence is against an independent reference: the single-device
+full-batch gradient of the window's mean loss over the concatenated data
+(``_dp_common.reference_grad``), float32, rtol 1e-5. Replicas get unequal
+local item counts (fractional importance weights), and one replica has no
+item in the whole window.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import weighted_accum as wa
+from weighted_accum import distributed as dist
+
+import _dp_common as common
+
+R = 8          # replicas on the 8-device CPU mesh
+K = 3          # microbatches per window
+B = 4          # items per replica per microbatch
+RTOL = 1e-5
+
+ERRORS: dict[str, float] = {}
+
+
+def _record(label: str, got, ref) -> float:
+  err = common.max_rel_err(got, ref)
+  ERRORS[label] = max(err, ERRORS.get(label, 0.0))
+  assert err <= RTOL, f"{label}: max relative error {err:.3g} > {RTOL}"
+  return err
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_errors():
+  yield
+  if ERRORS:
+    print("\nmax relative error vs the single-device full batch:")
+    for k, v in sorted(ERRORS.items()):
+      print(f"  {k}: {v:.3g}")
+
+
+def _mesh1d():
+  return jax.sharding.Mesh(np.array(jax.devices()[:R]), ("data",))
+
+
+@pytest.fixture(scope="module")
+def params():
+  return jax.tree.map(jnp.asarray, common.make_params(0))
+
+
+# ------------------------------------------------------------ explicit style
+
+
+@functools.cache
+def _explicit_step(grads_way: str, kind: str, reduce: str):
+  """A jitted shard_map step: scan over K microbatches, finish, return the
+  global result. ``grads_way``: 'local' (local_grad), 'reduced' (plain
+  jax.grad of unvarying params: autodiff sums them), 'core' (local_grad, the
+  core accumulate and finish_sums, then reduce_sums), 'novma' (check_vma off:
+  jax.grad gives local grads)."""
+  mesh = _mesh1d()
+  f = common.loss_sum if kind == "sum" else common.loss_mean
+
+  def body(params, x, y, m):
+    if reduce == "window" and grads_way != "novma":
+      state = dist.init(params, "data")
+    else:
+      state = wa.init(params)
+
+    def microbatch(state, inp):
+      xi, yi, mi = inp
+      n = jnp.sum(mi)
+      if grads_way in ("local", "core"):
+        g = dist.local_grad(f, "data")(params, xi, yi, mi)
+      else:
+        g = jax.grad(f)(params, xi, yi, mi)
+      if grads_way == "core":
+        acc = wa.accumulate_sum if kind == "sum" else wa.accumulate_mean
+        return acc(state, g, n), None
+      acc = dist.accumulate_sum if kind == "sum" else dist.accumulate_mean
+      return acc(state, g, n, "data", reduce=reduce), None
+
+    state, _ = jax.lax.scan(microbatch, state, (x, y, m))
+    if grads_way == "core":
+      local, _ = wa.finish_sums(state)
+      out = dist.reduce_sums(local, "data")
+    else:
+      out, _ = dist.finish_mean(state, "data", reduce=reduce)
+    # Flags are returned per replica to check they agree everywhere.
+    flags = jnp.stack([out.valid, out.finite])[None]
+    if grads_way != "novma":
+      flags = jax.lax.pcast(flags, "data", to="varying")
+    return out.grads, out.weight, out.issued, flags
+
+  spec = P(None, "data")
+  return jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), spec, spec, spec),
+      out_specs=(P(), P(), P(), P("data")),
+      check_vma=grads_way != "novma"))
+
+
+CONFIGS = [
+    ("local", "sum", "window"), ("local", "mean", "window"),
+    ("local", "sum", "microbatch"), ("local", "mean", "microbatch"),
+    ("reduced", "sum", "window"), ("reduced", "sum", "microbatch"),
+    ("core", "sum", "window"), ("core", "mean", "window"),
+    ("novma", "sum", "window"), ("novma", "mean", "window"),
+]
+
+
+@pytest.mark.parametrize("grads_way,kind,reduce", CONFIGS,
+                         ids=["-".join(c) for c in CONFIGS])
+@hypothesis.given(seed=st.integers(0, 2**31 - 1),
+                  zero_replica=st.integers(0, R - 1),
+                  zero_prob=st.sampled_from([0.0, 0.3, 0.6]))
+def test_shard_map_equals_full_batch(params, grads_way, kind, reduce, seed,
+                                     zero_replica, zero_prob):
+  x, y, m = common.make_data(seed, K, R, B, zero_replica, zero_prob)
+  grads, weight, issued, flags = _explicit_step(grads_way, kind, reduce)(
+      params, x, y, m)
+  ref = common.reference_grad(params, x, y, m)
+  _record(f"shard_map {grads_way} grads, {kind}, reduce={reduce}", grads, ref)
+  assert float(weight) == pytest.approx(float(m.sum()), rel=1e-6)
+  assert int(issued) == K * R
+  assert np.asarray(flags).all()      # valid and finite on every replica
+
+
+def test_reduced_mean_with_equal_counts(params):
+  """Autodiff-reduced gradients of per-replica MEANS are right when every
+  replica divides by the same count (an unvarying weight)."""
+  x, y, m = common.make_data(1, K, R, B, zero_prob=0.0)
+  m = np.ones_like(m)
+  mesh = _mesh1d()
+  for reduce in dist.REDUCE_MODES:
+    def body(params, x, y, m, reduce=reduce):
+      state = dist.init(params, "data") if reduce == "window" else wa.init(
+          params)
+      for k in range(K):
+        g = jax.grad(common.loss_mean)(params, x[k], y[k], m[k])
+        assert dist.is_reduced(g, "data")
+        state = dist.accumulate_mean(state, g, B, "data", reduce=reduce)
+      return dist.finish_mean(state, "data", reduce=reduce)[0].grads
+    spec = P(None, "data")
+    got = jax.jit(jax.shard_map(body, mesh=mesh,
+                                in_specs=(P(), spec, spec, spec),
+                                out_specs=P()))(params, x, y, m)
+    _record(f"shard_map reduced grads, mean (equal counts), reduce={reduce}",
+            got, common.reference_grad(params, x, y, m))
+
+
+def test_reduced_mean_with_unequal_counts_raises(params):
+  x, y, m = common.make_data(2, 1, R, B)
+  mesh = _mesh1d()
+
+  def body(params, x, y, m):
+    g = jax.grad(common.loss_mean)(params, x[0], y[0], m[0])
+    state = dist.accumulate_mean(dist.init(params, "data"), g, jnp.sum(m[0]),
+                                 "data")
+    return dist.finish_mean(state, "data")[0].grads
+
+  spec = P(None, "data")
+  with pytest.raises(wa.WeightedAccumulationError, match="local_grad"):
+    jax.eval_shape(jax.shard_map(body, mesh=mesh,
+                                 in_specs=(P(), spec, spec, spec),
+                                 out_specs=P()), params, x, y, m)
+
+
+def test_the_autodiff_trap_is_real(params):
+  """Canary for the jax behaviour the helpers are designed around: inside
+  shard_map the grad of an unvarying param is already summed over the axis,
+  so an explicit psum multiplies it by the replica count; local_grad's is
+  not, and psum of it is the true sum."""
+  x, y, m = common.make_data(3, 1, R, B, zero_prob=0.0)
+  mesh = _mesh1d()
+
+  def body(params, x, y, m):
+    auto = jax.grad(common.loss_sum)(params, x[0], y[0], m[0])
+    local = dist.local_grad(common.loss_sum, "data")(params, x[0], y[0], m[0])
+    return jax.lax.psum(auto, "data"), jax.lax.psum(local, "data"), auto
+
+  spec = P(None, "data")
+  twice, right, auto = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), spec, spec, spec),
+      out_specs=P()))(params, x, y, m)
+  ref = jax.tree.map(lambda g: g * m.sum(),
+                     common.reference_grad(params, x, y, m))
+  assert common.max_rel_err(right, ref) < RTOL
+  assert common.max_rel_err(auto, ref) < RTOL
+  assert common.max_rel_err(twice, jax.tree.map(lambda g: R * g, ref)) < RTOL
+
+
+def test_per_replica_mean_is_the_bug(params):
+  """The equal-weight average of per-replica means is measurably wrong on
+  the same data the tests above get exactly right (the tests can fail)."""
+  x, y, m = common.make_data(4, 1, R, B, zero_replica=None, zero_prob=0.0)
+  ref = common.reference_grad(params, x, y, m)
+  per_replica = [common.reference_grad(params, x[:, r * B:(r + 1) * B],
+                                       y[:, r * B:(r + 1) * B],
+                                       m[:, r * B:(r + 1) * B])
+                 for r in range(R)]
+  naive = jax.tree.map(lambda *g: np.mean(g, axis=0), *per_replica)
+  assert common.max_rel_err(naive, ref) > 1e-2
+
+
+def test_one_collective_round_per_window(params):
+  """Window mode with local gradients: the compiled step has exactly one
+  all-reduce (sums, weights and count together); microbatch mode has one per
+  microbatch inside the loop instead."""
+  x, y, m = common.make_data(5, K, R, B)
+  hlo = _explicit_step("local", "sum", "window").lower(
+      params, x, y, m).compile().as_text()
+  assert hlo.count(" all-reduce(") == 1, hlo
+  hlo_mb = _explicit_step("local", "sum", "microbatch").lower(
+      params, x, y, m).compile().as_text()
+  assert " all-reduce(" in hlo_mb and "while" in hlo_mb
+
+
+# ------------------------------------------------- flags, rejection, errors
+
+
+def _per_replica(x):
+  """``x[None]`` typed as varying over 'data' (for out_specs=P('data'))."""
+  x = jnp.asarray(x)[None]
+  return x if "data" in dist._vma(x) else jax.lax.pcast(x, "data",
+                                                        to="varying")
+
+
+def _run_flags(body, *args, mesh=None):
+  mesh = mesh or _mesh1d()
+  spec = P("data")
+  return jax.jit(jax.shard_map(body, mesh=mesh,
+                               in_specs=(P(),) + (spec,) * (len(args) - 1),
+                               out_specs=(P(), P("data"))))(*args)
+
+
+def test_non_finite_on_one_replica_is_reported_on_every_replica():
+  params = {"w": jnp.zeros(3)}
+  g = np.ones((R, 3), np.float32)
+  g[5, 1] = np.inf
+
+  def body(params, g):
+    s = dist.accumulate_sum(dist.init(params, "data"), {"w": g[0]}, 2.0,
+                            "data")
+    out, _ = dist.finish_mean(s, "data")
+    return out.weight, _per_replica(jnp.stack([out.finite, out.valid]))
+
+  weight, flags = _run_flags(body, params, g)
+  assert float(weight) == 2.0 * R
+  assert not np.asarray(flags).any()
+
+
+def test_zero_global_weight_gives_zeros_invalid_and_keeps_counters():
+  params = {"w": jnp.zeros(3)}
+  g = np.full((R, 3), np.nan, np.float32)   # 0/0 means, all weight 0
+
+  def body(params, g):
+    s = dist.init(params, "data")
+    s = dist.accumulate_mean(s, {"w": g[0]}, 0.0, "data")
+    out, new = dist.finish_mean(s, "data")
+    row = jnp.stack([out.valid.astype(jnp.float32), out.weight,
+                     jnp.sum(out.grads["w"]), new.issued.astype(jnp.float32),
+                     new.windows.astype(jnp.float32)])
+    return out.issued, _per_replica(row)
+
+  issued, rows = _run_flags(body, params, g)
+  np.testing.assert_array_equal(rows, np.tile([0, 0, 0, 1, 0], (R, 1)))
+  assert int(issued) == R
+
+
+@pytest.mark.parametrize("reduce", dist.REDUCE_MODES)
+def test_invalid_weight_is_rejected(reduce):
+  """A NaN weight on one replica: reduced now (microbatch mode) it rejects
+  the microbatch everywhere; in window mode only on its replica."""
+  params = {"w": jnp.zeros(2)}
+  w = np.full((R,), 2.0, np.float32)
+  w[3] = np.nan
+
+  def body(params, w):
+    s = dist.init(params, "data") if reduce == "window" else wa.init(params)
+    g = {"w": jnp.full((2,), 3.0) + 0.0 * w[0]}   # local; NaN on replica 3
+    s = dist.accumulate_sum(s, g, w[0], "data", reduce=reduce)
+    s = dist.accumulate_sum(s, jax.tree.map(jnp.ones_like, g), 1.0, "data",
+                            reduce=reduce)
+    out, _ = dist.finish_mean(s, "data", reduce=reduce)
+    return out.grads["w"], _per_replica(s.rejected)
+
+  grads, rejected = _run_flags(body, params, w)
+  if reduce == "microbatch":
+    np.testing.assert_array_equal(rejected, np.ones(R))
+    np.testing.assert_allclose(grads, [1.0, 1.0], rtol=RTOL)
+  else:
+    np.testing.assert_array_equal(rejected, np.eye(R)[3])
+    # 7 replicas added 3 with weight 2, all 8 added 1 with weight 1.
+    np.testing.assert_allclose(grads, [(7 * 3 + 8) / (7 * 2 + 8)] * 2,
+                               rtol=RTOL)
+
+
+def test_errors_name_what_is_wrong():
+  mesh = _mesh1d()
+  params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
+  loss = lambda p, x: jnp.sum(p["a"] * x) + jnp.sum(p["b"] * x)
+
+  def call(body):   # trace only: the errors are raised at trace time
+    return jax.eval_shape(jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()),
+                          params, jnp.ones((R, 2)))
+
+  def mixed(p, x):
+    pv = {"a": jax.lax.pcast(p["a"], "data", to="varying"), "b": p["b"]}
+    g = jax.grad(loss)(pv, x[0])
+    dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
+    return p["a"]
+
+  with pytest.raises(wa.WeightedAccumulationError, match=r"\['b'\]"):
+    call(mixed)
+
+  def bad_reduce(p, x):
+    g = dist.local_grad(loss, "data")(p, x[0])
+    dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data", reduce="step")
+    return p["a"]
+
+  with pytest.raises(wa.WeightedAccumulationError, match="reduce='step'"):
+    call(bad_reduce)
+
+  def mode_mix(p, x):
+    g = dist.local_grad(loss, "data")(p, x[0])
+    s = dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
+    dist.accumulate_sum(s, g, 1.0, "data", reduce="microbatch")
+    return p["a"]
+
+  with pytest.raises(wa.WeightedAccumulationError, match="per-replica sums"):
+    call(mode_mix)
+
+  def finish_mix(p, x):
+    g = dist.local_grad(loss, "data")(p, x[0])
+    s = dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
+    dist.finish_mean(s, "data", reduce="microbatch")
+    return p["a"]
+
+  with pytest.raises(wa.WeightedAccumulationError, match="reduce='window'"):
+    call(finish_mix)
+
+  def varying_scale(p, x):
+    s = wa.init(p, loss_scale=2.0)
+    s = s.replace(loss_scale=jax.lax.pcast(s.loss_scale, "data",
+                                           to="varying"))
+    dist.finish_mean(s, "data")
+    return p["a"]
+
+  with pytest.raises(wa.WeightedAccumulationError, match="loss scale"):
+    call(varying_scale)
+
+  with pytest.raises(wa.WeightedAccumulationError, match="not bound"):
+    dist.local_grad(loss, "data")(params, jnp.ones(2))
+  with pytest.raises(wa.WeightedAccumulationError, match="not bound"):
+    dist.finish_mean(wa.init(params), "data")
