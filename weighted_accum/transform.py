@@ -323,12 +323,15 @@ def weighted_multi_steps(
   accumulate = core.accumulate_mean if mode == "mean" else core.accumulate_sum
 
   def init_fn(params: Any) -> WeightedMultiStepsState:
-    zero = jnp.zeros((), jnp.int32)
+    # A distinct array per field: a donated state must not hold one buffer
+    # twice.
+    count = lambda: jnp.zeros((), jnp.int32)
+    flag = lambda: jnp.zeros((), jnp.bool_)
     return WeightedMultiStepsState(
         inner_state=inner_tx.init(params),
         accum=state_lib.init(params, dtype=work_dtype, loss_scale=loss_scale),
-        mini_step=zero, gradient_step=zero, updated=jnp.bool_(False),
-        nonfinite=jnp.bool_(False), nonfinite_windows=zero, empty_windows=zero)
+        mini_step=count(), gradient_step=count(), updated=flag(),
+        nonfinite=flag(), nonfinite_windows=count(), empty_windows=count())
 
   def update_fn(updates: Any, state: WeightedMultiStepsState,
                 params: Any = None, *, weight: Any, finish: Any = None,
@@ -353,8 +356,19 @@ def weighted_multi_steps(
     if k is not None:
       closing = closing | (mini_step >= k)
 
+    # The inner optimizer gets the window's gradient in the params' dtypes
+    # (float32 master weights get float32 gradients even when the
+    # microbatches' grads were float16), or the grads' without params.
+    if params is None:
+      like = jax.tree.leaves(grads)
+    else:
+      like = errors.match_tree(state.accum.grads, params,
+                               what="update(params)")
+
     def apply(g, inner_state, params):
-      g = jax.tree.map(lambda a, b: a.astype(jnp.result_type(b)), g, grads)
+      leaves, treedef = jax.tree.flatten(g)
+      g = jax.tree.unflatten(treedef, [
+          a.astype(jnp.result_type(b)) for a, b in zip(leaves, like)])
       return inner_tx.update(g, inner_state, params, **extra_args)
 
     shapes = jax.eval_shape(apply, accum.grads, state.inner_state, params)[0]
