@@ -521,3 +521,12 @@ def test_tree_with_accumulator_and_optimizer_state(tmp_path):
   assert _bits(got) == _bits(tree)
   assert got["step"] == 7 and isinstance(got["step"], int)
   assert jax.tree.structure(got) == jax.tree.structure(tree)
+
+
+def test_readme_checkpoint_example_runs(capsys):
+  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  section = readme.split("<!-- BEGIN checkpoint -->")[1].split(
+      "<!-- END checkpoint -->")[0]
+  code = section.split("```python\n")[1].split("```")[0]
+  exec(compile(code, "README checkpoint", "exec"), {})  # pylint: disable=exec-used
+  assert capsys.readouterr().out.split() == ["1", "7.0", "bfloat16"]
