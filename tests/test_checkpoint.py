@@ -244,9 +244,13 @@ def test_sharded_restore_on_the_same_mesh(tmp_path, mesh8):
   params, state = _mid_window(mesh8)
   want = _bits(state)
   _save(tmp_path / "accum", state)
-  for template in (wa.abstract_state(params, BF16), state):
+  continued = _bits(child.run(jax.tree.map(jnp.copy, state), 3, child.K,
+                              mesh8))  # run() donates its input
+  for template in (wa.abstract_state(params, BF16), state,
+                   wa.init(params, BF16)):
     got = _restore(tmp_path / "accum", template)
     assert _bits(got) == want
+    assert _bits(child.run(got, 3, child.K, mesh8)) == continued
     reference = wa.init(params, BF16)  # where init puts each buffer
     for g, r in zip(jax.tree.leaves(got.grads),
                     jax.tree.leaves(reference.grads)):

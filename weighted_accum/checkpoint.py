@@ -489,7 +489,12 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         raise WeightedAccumulationError(f"{here}: {e}") from e
       placed = {}
       for name in state_lib.COUNTER_FIELDS:
-        sharding = getattr(getattr(t, name), "sharding", None)
+        like = getattr(t, name)
+        # An uncommitted template scalar (as from wa.init) stays uncommitted,
+        # so that it may meet buffers on any mesh under jit.
+        sharding = (like.sharding if isinstance(like, jax.ShapeDtypeStruct)
+                    or (isinstance(like, jax.Array) and like.committed)
+                    else None)
         value = getattr(s, name)
         placed[name] = (value if sharding is None
                         else jax.device_put(value, sharding))
