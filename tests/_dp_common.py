@@ -91,3 +91,22 @@ def max_rel_err(got, ref) -> float:
     b = np.asarray(b, np.float64)
     errs.append(np.max(np.abs(a - b)) / np.max(np.abs(b)))
   return float(max(errs))
+
+
+# Multi-process run (tests/_dp_worker.py): 2 processes x 4 CPU devices.
+MP_PROCESSES = 2
+MP_LOCAL_DEVICES = 4
+MP_K = 4            # microbatches per window
+MP_SAVE_AFTER = 2   # checkpoint mid-window after this many microbatches
+MP_B = 4
+
+
+def multiprocess_data():
+  """Window data for the 8 global replicas with unequal local weights: the
+  second process's replicas (4..7) keep only their first item (and replica 5
+  none at all), so its local weight is far below the first process's."""
+  replicas = MP_PROCESSES * MP_LOCAL_DEVICES
+  x, y, m = make_data(21, MP_K, replicas, MP_B, zero_replica=5, zero_prob=0.2)
+  blocks = m.reshape(MP_K, replicas, MP_B)
+  blocks[:, MP_LOCAL_DEVICES:, 1:] = 0.0
+  return x, y, blocks.reshape(MP_K, -1)
