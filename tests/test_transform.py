@@ -473,8 +473,12 @@ def test_mid_window_step_is_in_place(inner_name):
 
 # -- 5. shard_map over a data axis ------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["mean", "sum"])
-def test_shard_map_data_parallel_matches_reference(mode):
+@pytest.mark.parametrize("mode,local", [("mean", True), ("sum", True),
+                                        ("sum", False)])
+def test_shard_map_data_parallel_matches_reference(mode, local):
+  """Replicated params and state (P()), the batch sharded over 'data'.
+  Local grads (params cast to varying) and, for loss sums, grads already
+  summed by autodiff (unvarying params) both give the full-batch result."""
   devices = np.array(jax.devices())
   r = len(devices)
   mesh = jax.sharding.Mesh(devices, ("data",))
@@ -483,9 +487,8 @@ def test_shard_map_data_parallel_matches_reference(mode):
   loss = _mean_loss if mode == "mean" else _sum_loss
 
   def local_step(params, state, x, y, mask):
-    # This replica's own gradient: differentiate w.r.t. varying params.
-    local = jax.lax.pcast(params, "data", to="varying")
-    g = jax.grad(loss)(local, x[0], y[0], mask[0])
+    p = jax.lax.pcast(params, "data", to="varying") if local else params
+    g = jax.grad(loss)(p, x[0], y[0], mask[0])
     updates, state = tx.update(g, state, params, weight=jnp.sum(mask))
     return optax.apply_updates(params, updates), state
 

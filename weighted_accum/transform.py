@@ -30,7 +30,7 @@ that do not need optax's ``updates`` should use the functional API
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from weighted_accum import core
+from weighted_accum import distributed
 from weighted_accum import errors
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
@@ -177,59 +178,6 @@ def _check_finish(finish: Any) -> jax.Array:
   return jnp.asarray(finish)
 
 
-def _varying_axes(x: Any) -> frozenset:
-  """The manual mesh axes ``x`` varies over inside ``shard_map``."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "manual_axis_type", None)
-  if mat is not None:
-    return frozenset(mat.varying)
-  return frozenset(getattr(aval, "vma", ()))
-
-
-def _axis_names(axis_name: Any) -> tuple[Hashable, ...]:
-  if isinstance(axis_name, (tuple, list)):
-    return tuple(axis_name)
-  return (axis_name,)
-
-
-def _check_local(grads: Any, weight: Any, axes: tuple[Hashable, ...],
-                 mode: str) -> None:
-  """Refuses gradients that autodiff already summed over the data axis."""
-  w_axes = _varying_axes(jnp.asarray(weight))
-  for path, leaf in zip(errors.leaf_paths(grads), jax.tree.leaves(grads)):
-    missing = [a for a in axes if a in w_axes
-               and a not in _varying_axes(leaf)]
-    if missing:
-      raise WeightedAccumulationError(
-          f"update(grads): leaf {path} does not vary over axis "
-          f"{missing[0]!r} while the weight does: inside shard_map, the "
-          "gradient of a replicated param is already summed over the axis "
-          "by autodiff, so summing it again would multiply it by the replica "
-          f"count{' and mean losses cannot be reweighted' if mode == 'mean' else ''}. "
-          "Differentiate with respect to local params, e.g. "
-          f"jax.grad(loss)(jax.lax.pcast(params, {missing[0]!r}, "
-          "to='varying'), batch).")
-
-
-def _reduced_microbatch(grads: Any, weight: Any, *, mode: str,
-                        dtype: jnp.dtype, axes: tuple[Hashable, ...]
-                        ) -> tuple[Any, jax.Array]:
-  """One microbatch summed over replicas: ``(sum_r grad(S_r), sum_r n_r)``.
-
-  Each replica weighs its own microbatch with the core function (so a
-  zero-weight replica adds nothing, NaN grads included); an invalid weight
-  on any replica makes the global weight NaN, which the window then rejects
-  whole.
-  """
-  local = state_lib.init(grads, dtype=dtype)
-  add = core.accumulate_mean if mode == "mean" else core.accumulate_sum
-  local = add(local, grads, weight)
-  sums = lax.psum(local.grads, axes)
-  total = lax.psum(local.weight_hi, axes) + lax.psum(local.weight_lo, axes)
-  bad = lax.psum(local.rejected, axes) > 0
-  return sums, jnp.where(bad, jnp.float32(jnp.nan), total)
-
-
 def weighted_multi_steps(
     inner: optax.GradientTransformation,
     every_k: int | None = None,
@@ -237,7 +185,7 @@ def weighted_multi_steps(
     mode: str = "mean",
     dtype: Any = jnp.float32,
     loss_scale: float | jax.Array = 1.0,
-    axis_name: Hashable | Sequence[Hashable] | None = None,
+    axis_name: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Weighted gradient accumulation in front of an optax optimizer.
 
@@ -272,13 +220,18 @@ def weighted_multi_steps(
     loss_scale: the factor every loss of a window is multiplied by (for
       float16 training); divided out once at the close. Change it per window
       with ``update(..., next_loss_scale=...)``.
-    axis_name: inside ``jax.shard_map`` over a data axis, its name(s). Then
-      ``grads`` and ``weight`` are this replica's own, and each microbatch is
-      summed over the axis (grads and weights: one all-reduce per
-      microbatch, like the usual ``pmean`` of a data-parallel step) so the
-      state stays replicated. Leave it ``None`` under ``jax.jit`` with
-      sharded global arrays. For one all-reduce per window use the
-      functional API with :func:`weighted_accum.finish_sums`.
+    axis_name: inside ``jax.shard_map`` over a data axis, its name(s).
+      Then ``weight`` is this replica's own item count and each microbatch's
+      gradient sums and weights are summed over the axis before they are
+      added (:mod:`weighted_accum.distributed`, ``reduce="microbatch"``:
+      one all-reduce per microbatch, like the ``pmean`` of a usual
+      data-parallel step), so the state stays identical on every replica
+      (``out_specs=P()``). ``grads`` may be local (see
+      :func:`weighted_accum.distributed.local_grad`) or already summed by
+      autodiff (params passed unvarying); the latter cannot be reweighted
+      for ``mode="mean"`` with per-replica counts, which raises. Leave it
+      ``None`` under ``jax.jit`` over sharded global arrays. For one
+      all-reduce per window, use :mod:`weighted_accum.distributed` directly.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``. ``init(params)`` gives a
@@ -318,9 +271,10 @@ def weighted_multi_steps(
       dtype, what="weighted_multi_steps(dtype=...)")
   errors.check_loss_scale(loss_scale,
                           what="weighted_multi_steps(loss_scale=...)")
-  axes = None if axis_name is None else _axis_names(axis_name)
   inner_tx = optax.with_extra_args_support(inner)
   accumulate = core.accumulate_mean if mode == "mean" else core.accumulate_sum
+  dp_accumulate = (distributed.accumulate_mean if mode == "mean"
+                   else distributed.accumulate_sum)
 
   def init_fn(params: Any) -> WeightedMultiStepsState:
     # A distinct array per field: a donated state must not hold one buffer
@@ -342,15 +296,11 @@ def weighted_multi_steps(
     if next_loss_scale is not None:
       errors.check_loss_scale(next_loss_scale,
                               what="update(next_loss_scale=...)")
-    if axes is None:
+    if axis_name is None:
       accum = accumulate(state.accum, grads, weight)
     else:
-      errors.match_tree(state.accum.grads, grads, what="update(grads)")
-      errors.check_weight(weight, what="update(weight)")
-      _check_local(grads, weight, axes, mode)
-      sums, total = _reduced_microbatch(grads, weight, mode=mode,
-                                        dtype=work_dtype, axes=axes)
-      accum = core.accumulate_sum(state.accum, sums, total)
+      accum = dp_accumulate(state.accum, grads, weight, axis_name,
+                            reduce="microbatch")
 
     mini_step = state.mini_step + 1
     if k is not None:
