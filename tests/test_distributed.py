@@ -568,3 +568,85 @@ def test_two_processes_equal_single_process_reference(tmp_path):
     assert r["resume_bitwise"], "resumed window differs from uninterrupted"
     local_weights.append(float(r["local_weight"]))
   assert local_weights[0] > 3 * local_weights[1] > 0   # really unequal
+
+
+# ------------------------------------------------------------- optax wrapper
+
+
+def _sgd():
+  import optax  # pylint: disable=g-import-not-at-top
+  return optax.sgd(0.05, momentum=0.9)
+
+
+def _reference_params_after_windows(params, x, y, m, windows):
+  """Single device: the inner optimizer applied to each window's full-batch
+  gradient (no wrapper, no accumulation)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  tx = _sgd()
+  p = jax.tree.map(np.asarray, params)
+  s = tx.init(p)
+  for w in range(windows):
+    sl = slice(w * K, (w + 1) * K)
+    g = common.reference_grad(p, x[sl], y[sl], m[sl])
+    u, s = tx.update(g, s, p)
+    p = jax.tree.map(np.asarray, optax.apply_updates(p, u))
+  return p
+
+
+@pytest.mark.parametrize("style", ["implicit", "shard_map"])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_optax_wrapper_multi_device_equals_single_device(style, mode):
+  """weighted_multi_steps on the 8-device setup (jit over global arrays with
+  model-sharded params, or shard_map with local gradients and axis_name)
+  gives the single-device reference's params after two windows."""
+  import optax  # pylint: disable=g-import-not-at-top
+  windows = 2
+  params = common.make_params(0)   # host copies: the steps donate params
+  x, y, m = common.make_data(31, windows * K, R, B, zero_replica=6)
+  ref = _reference_params_after_windows(params, x, y, m, windows)
+  f = common.loss_sum if mode == "sum" else common.loss_mean
+  spec = P(None, "data")
+
+  if style == "implicit":
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),
+                             ("data", "model"))
+    p_sh = jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        _model_sharded_specs())
+    p = jax.device_put(params, p_sh)
+    tx = wa.weighted_multi_steps(_sgd(), every_k=K, mode=mode)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, opt_state, x, y, m):
+      g = jax.grad(f)(p, x, y, m)
+      u, opt_state = tx.update(g, opt_state, p, weight=jnp.sum(m))
+      return optax.apply_updates(p, u), opt_state
+
+    x_d, y_d, m_d = jax.device_put((x, y, m), NamedSharding(mesh, spec))
+  else:
+    mesh = _mesh1d()
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    tx = wa.weighted_multi_steps(_sgd(), every_k=K, mode=mode,
+                                 axis_name="data")
+
+    def body(p, opt_state, x, y, m):
+      g = dist.local_grad(f, "data")(p, x[0], y[0], m[0])
+      u, opt_state = tx.update(g, opt_state, p, weight=jnp.sum(m[0]))
+      return optax.apply_updates(p, u), opt_state
+
+    step = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P(), spec, spec, spec),
+        out_specs=(P(), P())), donate_argnums=(0, 1))
+    x_d, y_d, m_d = x[:, None], y[:, None], m[:, None]
+
+  opt_state = tx.init(p)
+  for k in range(windows * K):
+    p, opt_state = step(p, opt_state, x_d[k], y_d[k], m_d[k])
+  assert int(opt_state.gradient_step) == windows
+  if style == "implicit":
+    _assert_same_shardings(p, p_sh, "params after two windows")
+    _assert_same_shardings(opt_state.accum.grads, p_sh, "wrapper buffers")
+  # On the parameter CHANGE, which is much smaller than the params.
+  delta = jax.tree.map(lambda a, b: np.asarray(a) - b, p, params)
+  ref_delta = jax.tree.map(lambda a, b: a - b, ref, params)
+  _record(f"optax wrapper, 2 windows, {style}, {mode} (param change)", delta,
+          ref_delta)

@@ -218,8 +218,9 @@ def is_reduced(grads: Any, axis_name: AxisName) -> bool:
     ...   seen.append(dist.is_reduced(dist.local_grad(loss, 'data')(p, x),
     ...                               'data'))
     ...   return p
-    >>> _ = jax.shard_map(f, mesh=mesh, in_specs=(P(), P('data')),
-    ...                   out_specs=P())(jnp.ones(()), jnp.ones(len(mesh.devices)))
+    >>> _ = jax.eval_shape(jax.shard_map(
+    ...     f, mesh=mesh, in_specs=(P(), P('data')), out_specs=P()),
+    ...     jnp.ones(()), jnp.ones(len(mesh.devices)))
     >>> seen
     [True, False]
   """
@@ -269,10 +270,10 @@ def local_grad(fun: Callable[..., Any], axis_name: AxisName, *,
     >>> n = jax.device_count()
     >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
     >>> loss = lambda p, x: jnp.sum(x * p)
-    >>> f = jax.shard_map(
+    >>> f = jax.jit(jax.shard_map(
     ...     lambda p, x: jax.lax.psum(dist.local_grad(loss, 'data')(p, x),
     ...                               'data'),
-    ...     mesh=mesh, in_specs=(P(), P('data')), out_specs=P())
+    ...     mesh=mesh, in_specs=(P(), P('data')), out_specs=P()))
     >>> float(f(jnp.ones(()), jnp.ones(n))) == n   # the sum of n local grads
     True
   """
@@ -314,8 +315,9 @@ def local_value_and_grad(fun: Callable[..., Any], axis_name: AxisName, *,
     ...   value, g = dist.local_value_and_grad(loss, 'data')(p, x)
     ...   return jax.lax.psum((value, g), 'data')  # local values, summed once
     >>> x = jnp.arange(len(mesh.devices), dtype=jnp.float32)
-    >>> total, grad = jax.shard_map(f, mesh=mesh, in_specs=(P(), P('data')),
-    ...                             out_specs=P())(jnp.ones(()), x)
+    >>> total, grad = jax.jit(jax.shard_map(
+    ...     f, mesh=mesh, in_specs=(P(), P('data')), out_specs=P()))(
+    ...         jnp.ones(()), x)
     >>> bool(total == x.sum()), bool(grad == x.sum())
     (True, True)
   """
@@ -363,8 +365,8 @@ def init(params: Any, axis_name: AxisName, dtype: Any = jnp.float32,
     ...   s = dist.init(p, 'data')
     ...   print(dist.is_reduced(s.grads, 'data'))
     ...   return p
-    >>> _ = jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P())(
-    ...     jnp.zeros(3))
+    >>> _ = jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=P(),
+    ...                                  out_specs=P()), jnp.zeros(3))
     False
   """
   axes = _axes(axis_name, "distributed.init")
@@ -488,8 +490,8 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any,
     ...   g = jax.grad(loss_sum)(p, x)          # already reduced: also fine
     ...   s = dist.accumulate_sum(s, g, x.size, 'data')
     ...   return dist.finish_mean(s, 'data')[0].grads
-    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                   out_specs=P())
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                           out_specs=P()))
     >>> float(f(jnp.ones(()), jnp.arange(2. * n)))   # mean of 0..2n-1
     7.5
   """
@@ -536,8 +538,8 @@ def accumulate_mean(state: AccumState, grads: Any, weight: Any,
     ...   g = dist.local_grad(loss_mean, 'data')(p, x)
     ...   s = dist.accumulate_mean(s, g, x.size, 'data')
     ...   return dist.finish_mean(s, 'data')[0].grads
-    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                   out_specs=P())
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                           out_specs=P()))
     >>> float(f(jnp.ones(()), jnp.arange(2. * n)))
     7.5
   """
@@ -630,8 +632,8 @@ def reduce_sums(out: AccumulatedGradients,
     ...   s = wa.accumulate_sum(wa.init(p), {'w': jnp.sum(x)}, x.size)
     ...   out, s = wa.finish_sums(s)
     ...   return dist.reduce_sums(out, 'data').grads
-    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                   out_specs=P())
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                           out_specs=P()))
     >>> float(f({'w': jnp.zeros(())}, jnp.arange(2. * n))['w'])
     7.5
   """
@@ -681,8 +683,8 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
     ...   g = dist.local_grad(lambda p: jnp.sum(x * p), 'data')(p)
     ...   s = dist.accumulate_sum(s, g, x.size, 'data', reduce='microbatch')
     ...   return dist.finish_mean(s, 'data', reduce='microbatch')[0].grads
-    >>> f = jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                   out_specs=P())
+    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
+    ...                           out_specs=P()))
     >>> float(f(jnp.ones(()), jnp.arange(2. * n)))
     7.5
   """
