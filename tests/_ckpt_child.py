@@ -14,6 +14,7 @@ Usage (the caller sets XLA_FLAGS for the device count):
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -71,6 +72,7 @@ def host_grads(i: int) -> dict:
   return _tree_map(leaf, SHAPES)
 
 
+@functools.lru_cache(maxsize=None)  # compile once per process
 def feed_fn():
   """The jitted, donating step both runs use: one microbatch in."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -137,6 +139,7 @@ def optax_tx():
                                  every_k=OPTAX_K)
 
 
+@functools.lru_cache(maxsize=None)
 def optax_step_fn():
   """One jitted, donating microbatch step of the wrapper + apply_updates.
 

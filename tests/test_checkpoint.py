@@ -146,6 +146,31 @@ def test_optax_wrapper_resume_in_new_process_is_bitwise(tmp_path):
       assert x.shape == shape and x.tobytes() == raw, (step, path)
 
 
+@pytest.mark.parametrize("template_kind", ["fresh", "eval_shape"])
+def test_optax_wrapper_state_resumes_on_a_mesh(tmp_path, mesh8,
+                                               template_kind):
+  fresh = lambda: child.place(child.host_params(), mesh8)
+  tx = child.optax_tx()
+  params_a, state_a = child.optax_run(fresh(), tx.init(fresh()), 0, child.K)
+  params, state = child.optax_run(fresh(), tx.init(fresh()), 0, 4)
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    mngr.save(4, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                         opt=wa.AccumSave(state)))
+  # A fresh state (its scalars uncommitted) or an abstract one as template.
+  template = (tx.init(fresh()) if template_kind == "fresh"
+              else jax.eval_shape(tx.init, fresh()))
+  with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
+    got = mngr.restore(4, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh())),
+        opt=wa.AccumRestore(template)))
+  assert isinstance(got.opt, wa.WeightedMultiStepsState)
+  assert int(got.opt.mini_step) == 1 and int(got.opt.gradient_step) == 1
+  params_b, state_b = child.optax_run(got.params, got.opt, 4, child.K)
+  assert _bits(params_b) == _bits(params_a)
+  assert _bits(state_b) == _bits(state_a)
+
+
 @given(weights=st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 1e3, 7.25]),
                         min_size=1, max_size=5),
        j=st.integers(0, 5), seed=st.integers(0, 2**16),

@@ -454,7 +454,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     if isinstance(leaf, (bool, int, float, complex)):
       return ocp.RestoreArgs(restore_type=type(leaf))
     if role == "counter" or not isinstance(
-        leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        leaf, (jax.Array, jax.ShapeDtypeStruct)) or _uncommitted(leaf):
+      # Placed afterwards (see _rebuild and _like).
       return ocp.RestoreArgs(restore_type=np.ndarray)
     sharding = leaf.sharding
     if sharding is None:
@@ -492,9 +493,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         like = getattr(t, name)
         # An uncommitted template scalar (as from wa.init) stays uncommitted,
         # so that it may meet buffers on any mesh under jit.
-        sharding = (like.sharding if isinstance(like, jax.ShapeDtypeStruct)
-                    or (isinstance(like, jax.Array) and like.committed)
-                    else None)
+        sharding = (None if _uncommitted(like)
+                    else getattr(like, "sharding", None))
         value = getattr(s, name)
         placed[name] = (value if sharding is None
                         else jax.device_put(value, sharding))
@@ -517,8 +517,16 @@ def _role(key: tuple[str, ...], leaf: Any,
   return "other", np.dtype(jnp.result_type(leaf))
 
 
+def _uncommitted(x: Any) -> bool:
+  """An array on the default device, free to join any computation (as the
+  scalars of a fresh ``wa.init`` or ``tx.init``): restored the same way."""
+  return isinstance(x, jax.Array) and not x.committed
+
+
 def _like(template_leaf: Any, value: Any) -> Any:
-  """Gives a restored non-array leaf the template leaf's Python type."""
+  """Gives a restored leaf the template leaf's type (and placement)."""
+  if _uncommitted(template_leaf):
+    return jnp.asarray(value)
   if isinstance(template_leaf, (bool, int, float, complex)) and not isinstance(
       value, type(template_leaf)):
     return type(template_leaf)(np.asarray(value).item())
