@@ -9,6 +9,8 @@ are padded to one shape and masked, so each step compiles once.
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 from flax import nnx
 from hypothesis import given
@@ -581,3 +583,17 @@ def test_invalid_traced_weight_rejects_microbatch():
                       weight=jnp.float32(2.0))
   assert bool(wa.has_updated(state))
   np.testing.assert_allclose(np.asarray(upd["w"]), [-2.5, -2.5])
+
+
+# -- README ------------------------------------------------------------------------------------
+
+def test_readme_optax_section_runs(capsys):
+  """The README's optax and NNX examples run and print what they claim."""
+  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  section = readme.split("<!-- BEGIN optax -->")[1].split(
+      "<!-- END optax -->")[0]
+  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+  assert len(blocks) == 2
+  for block in blocks:
+    exec(compile(block, "README optax section", "exec"), {})  # pylint: disable=exec-used
+  assert capsys.readouterr().out.split() == ["3", "True", "8", "2"]
