@@ -1,0 +1,180 @@
+"""Compiled-memory guarantees of the hot paths, and a smoke run of the benchmark.
+
+Everything asserted here is deterministic: XLA's ``memory_analysis`` of the
+compiled executables and the device addresses of the buffers before and after a
+donated call (equal addresses = updated in place). No timing (that lives in
+``benchmarks/run.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import weighted_accum as wa
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A small transformer-like tree: unequal leaf shapes, one large embedding.
+SHAPES = {
+    "embed": (1024, 96),
+    "block": {"qkv": (96, 288), "out": (96, 96), "up": (96, 384),
+              "up_bias": (384,), "down": (384, 96), "down_bias": (96,),
+              "ln": (96,)},
+    "head": {"ln": (96,)},
+}
+
+
+def _tree(dtype, seed):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda s: jnp.asarray(rng.standard_normal(s, np.float32), dtype), SHAPES,
+      is_leaf=lambda x: isinstance(x, tuple))
+
+
+PARAMS = _tree(jnp.float32, 0)
+BUFFER_BYTES = sum(x.nbytes for x in jax.tree.leaves(PARAMS))
+TWO_LEAVES = sum(sorted(x.nbytes for x in jax.tree.leaves(PARAMS))[-2:])
+
+
+def _addresses(tree):
+  return [x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)]
+
+
+def _fresh_copy(tree):
+  """Copies that own their buffers (donating PARAMS itself would delete it)."""
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+@pytest.mark.parametrize("gdtype", [jnp.float32, jnp.bfloat16],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean],
+                         ids=["sum", "mean"])
+def test_accumulate_updates_every_buffer_in_place(fn, gdtype):
+  grads = _tree(gdtype, 1)
+  state = wa.accumulate_sum(wa.init(PARAMS), _tree(jnp.float32, 2), 2.0)
+  before = np.array(jax.tree.leaves(state.grads)[0])
+  step = jax.jit(fn, donate_argnums=0)
+  compiled = step.lower(state, grads, 3.0).compile()
+  ma = compiled.memory_analysis()
+  assert ma.alias_size_in_bytes >= BUFFER_BYTES
+  assert ma.temp_size_in_bytes <= 0.01 * BUFFER_BYTES
+  # Nothing parameter-sized is written besides the aliased buffers.
+  assert ma.output_size_in_bytes - ma.alias_size_in_bytes <= 1024
+
+  addresses = _addresses(state.grads)
+  new = compiled(state, grads, 3.0)
+  assert _addresses(new.grads) == addresses
+  assert all(x.is_deleted() for x in jax.tree.leaves(state.grads))
+  # And the values are right (in place, not merely aliased): float64 NumPy.
+  g = np.asarray(jax.tree.leaves(grads)[0], np.float64)
+  expect = before + (3.0 * g if fn is wa.accumulate_mean else g)
+  np.testing.assert_allclose(np.asarray(jax.tree.leaves(new.grads)[0]),
+                             expect, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [wa.finish_mean, wa.finish_sums],
+                         ids=["mean", "sums"])
+def test_finish_writes_result_in_place_and_little_else(fn):
+  state = wa.accumulate_sum(wa.init(PARAMS), _tree(jnp.float32, 1), 4.0)
+  before = np.array(jax.tree.leaves(state.grads)[0], np.float64)
+  step = jax.jit(fn, donate_argnums=0)
+  compiled = step.lower(state).compile()
+  ma = compiled.memory_analysis()
+  assert ma.alias_size_in_bytes >= BUFFER_BYTES
+  assert ma.temp_size_in_bytes <= 0.01 * BUFFER_BYTES
+  assert ma.temp_size_in_bytes <= TWO_LEAVES
+  # Exactly two parameter-sized outputs: the result and the next window's
+  # zero buffers; nothing else.
+  assert ma.output_size_in_bytes <= 2 * BUFFER_BYTES + 1024
+
+  addresses = _addresses(state.grads)
+  out, new = compiled(state)
+  assert _addresses(out.grads) == addresses
+  assert not set(_addresses(new.grads)) & set(addresses)
+  expect = before / 4.0 if fn is wa.finish_mean else before
+  np.testing.assert_allclose(np.asarray(jax.tree.leaves(out.grads)[0]),
+                             expect, rtol=1e-6)
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(new.grads))
+
+
+def _wrapper():
+  try:
+    from weighted_accum.transform import weighted_multi_steps
+  except ImportError as e:  # Fails loudly: the wrapper is part of the package.
+    raise AssertionError("weighted_accum.transform is missing") from e
+  return weighted_multi_steps
+
+
+def test_wrapper_mid_window_step_is_in_place_with_one_temporary():
+  """update + apply_updates mid-window: params, inner state and buffers are
+  updated in place; the only parameter-sized temporary is the zero updates
+  (the inner state goes through the window's lax.cond without a copy)."""
+  tx = _wrapper()(optax.adamw(1e-3), 4)
+  grads = _tree(jnp.float32, 1)
+
+  def step(params, opt_state, grads, weight):
+    updates, opt_state = tx.update(grads, opt_state, params, weight=weight)
+    return optax.apply_updates(params, updates), opt_state
+
+  # Donate the state exactly as init returns it: every leaf must be its own
+  # buffer for that to work.
+  params, opt_state = _fresh_copy(PARAMS), tx.init(PARAMS)
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  compiled = jitted.lower(params, opt_state, grads, 2.0).compile()
+  ma = compiled.memory_analysis()
+  donated_bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
+                      if x.size > 1)
+  assert ma.alias_size_in_bytes >= donated_bytes
+  assert ma.temp_size_in_bytes <= 1.01 * BUFFER_BYTES
+
+  addresses = _addresses((params, opt_state))
+  new_params, new_state = compiled(params, opt_state, grads, 2.0)
+  new_addresses = _addresses((new_params, new_state))
+  big = [i for i, x in enumerate(jax.tree.leaves((params, opt_state)))
+         if x.size > 1]
+  assert [new_addresses[i] for i in big] == [addresses[i] for i in big]
+  np.testing.assert_array_equal(
+      np.asarray(new_params["embed"]), np.asarray(PARAMS["embed"]))
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_run(tmp_path):
+  """benchmarks/run.py --smoke runs end to end and writes its three files."""
+  env = dict(os.environ)
+  # Compile time dominates a tiny run: ask XLA for less optimisation.
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_backend_optimization_level=0").strip()
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke",
+       "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  files = sorted(p.name for p in tmp_path.iterdir())
+  assert {Path(f).suffix for f in files} == {".json", ".md", ".png"}, files
+  result = json.loads(next(tmp_path.glob("*.json")).read_text())
+  cases = {r["case"] for r in result["rows"]}
+  assert {"bare_add", "numpy_add", "accumulate_sum", "accumulate_mean",
+          "step_multisteps", "step_wrapper", "step_core", "bare_scale",
+          "finish_mean"} <= cases
+  for r in result["rows"]:
+    assert r["runs"] >= 10 and r["median_ms"] > 0
+    base = next(b for b in result["rows"] if b["case"] == r["baseline"] and
+                b["size"] == r["size"] and
+                b["grads_dtype"] == r["grads_dtype"])
+    assert r["ratio"] == pytest.approx(r["median_ms"] / base["median_ms"])
+  acc = next(r for r in result["rows"] if r["case"] == "accumulate_mean")
+  assert acc["memory"]["all_aliased"]
+  assert {r["case"] for r in result["e2e"]["rows"]} == {
+      "e2e_multisteps", "e2e_hand_loop", "e2e_wrapper"}
+  assert {c["status"] for c in result["bar"]} <= {"pass", "miss", "info"}
+  assert "| bar | params |" in proc.stdout
