@@ -520,6 +520,34 @@ def test_shard_map_data_parallel_matches_reference(mode, local):
                                    windows)[0])
 
 
+def test_jit_sharded_params_keep_shardings():
+  """Params sharded over 'model' on a 4x2 mesh, batch over 'data': buffers,
+  inner state and params keep the params' shardings through update, and
+  the compiled step gathers nothing."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),
+                           ("data", "model"))
+  shardings = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model")}
+  params = jax.device_put(
+      _fresh(_init_params()),
+      {k: jax.sharding.NamedSharding(mesh, v) for k, v in shardings.items()})
+  tx = wa.weighted_multi_steps(INNERS["adamw"](), 2)
+  step = _make_step(tx, "mean")
+  state = tx.init(params)
+  x, y, mask = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data")))
+                for a in _data([3] * 4, 0)[:3])
+  x, y, mask = x.reshape(-1, D), y.reshape(-1), mask.reshape(-1)
+  hlo = step.lower(params, state, x, y, mask, jnp.bool_(False)).compile(
+      ).as_text()
+  assert "all-gather" not in hlo
+  for _ in range(3):
+    params, state = step(params, state, x, y, mask, jnp.bool_(False))
+  for name, spec in shardings.items():
+    for arr in (params[name], state.accum.grads[name],
+                state.inner_state[0].mu[name], state.inner_state[0].nu[name]):
+      assert arr.sharding.is_equivalent_to(
+          jax.sharding.NamedSharding(mesh, spec), arr.ndim), name
+
+
 def test_shard_map_refuses_autodiff_reduced_grads():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   tx = wa.weighted_multi_steps(optax.sgd(0.1), 2, axis_name="data")
