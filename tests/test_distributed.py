@@ -311,6 +311,63 @@ def test_invalid_weight_is_rejected(reduce):
                                rtol=RTOL)
 
 
+@pytest.mark.parametrize("reduce", dist.REDUCE_MODES)
+@pytest.mark.parametrize("kind", ["sum", "mean"])
+def test_nan_grads_of_an_empty_replica_add_nothing(reduce, kind):
+  """Replica 2's microbatch is empty: its mean-loss gradient is 0/0 = NaN
+  with weight 0. Nothing of it may leak into any replica's result (a 0 * NaN
+  or a psum before masking would)."""
+  params = {"w": jnp.zeros(2)}
+  g = np.tile(np.arange(1.0, R + 1, dtype=np.float32)[:, None], (1, 2))
+  w = np.arange(1.0, R + 1, dtype=np.float32)
+  g[2], w[2] = np.nan, 0.0
+
+  def body(params, g, w):
+    s = dist.init(params, "data") if reduce == "window" else wa.init(params)
+    acc = dist.accumulate_sum if kind == "sum" else dist.accumulate_mean
+    s = acc(s, {"w": g[0]}, w[0], "data", reduce=reduce)
+    out, _ = dist.finish_mean(s, "data", reduce=reduce)
+    return out.grads["w"], _per_replica(jnp.stack([out.valid, out.finite]))
+
+  grads, flags = _run_flags(body, params, g, w)
+  keep = w > 0
+  num = (g[keep, 0] * (w[keep] if kind == "mean" else 1)).sum()
+  np.testing.assert_allclose(grads, [num / w.sum()] * 2, rtol=RTOL)
+  assert np.asarray(flags).all()
+
+
+def test_window_state_is_a_scan_carry_across_windows(params):
+  """finish_mean returns a state typed like its input, so windows can run
+  in a lax.scan; each window's result equals its own full-batch gradient."""
+  windows = 2
+  x, y, m = common.make_data(41, windows * K, R, B, zero_replica=4)
+  mesh = _mesh1d()
+
+  def body(params, x, y, m):
+    def window(state, xyz):
+      def microbatch(state, inp):
+        g = dist.local_grad(common.loss_sum, "data")(params, *inp)
+        return dist.accumulate_sum(state, g, jnp.sum(inp[2]), "data"), None
+      state, _ = jax.lax.scan(microbatch, state, xyz)
+      out, state = dist.finish_mean(state, "data")
+      return state, out.grads
+    shape = lambda a: a.reshape(windows, K, *a.shape[1:])
+    state, grads = jax.lax.scan(window, dist.init(params, "data"),
+                                (shape(x), shape(y), shape(m)))
+    return grads, state.windows
+
+  spec = P(None, "data")
+  grads, n_windows = jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), spec, spec, spec),
+      out_specs=(P(), P())))(params, x, y, m)
+  assert int(n_windows) == windows
+  for w in range(windows):
+    sl = slice(w * K, (w + 1) * K)
+    _record("shard_map, lax.scan over windows", jax.tree.map(
+        lambda a, w=w: a[w], grads), common.reference_grad(
+            params, x[sl], y[sl], m[sl]))
+
+
 def test_errors_name_what_is_wrong():
   mesh = _mesh1d()
   params = {"a": jnp.zeros(2), "b": jnp.zeros(2)}
