@@ -27,27 +27,29 @@ import sys
 
 
 def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
-  import jax  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  # jax is imported here, after the caller's XLA_FLAGS took effect.
+  import jax
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
       coordinator_address=f"127.0.0.1:{port}", num_processes=2,
       process_id=process_id, initialization_timeout=60,
       heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
 
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  import jax.numpy as jnp
+  import numpy as np
+  import orbax.checkpoint as ocp
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import _dp_common as common  # pylint: disable=g-import-not-at-top
-  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
-  from weighted_accum import distributed as dist  # pylint: disable=g-import-not-at-top
-  from weighted_accum.checkpoint import AccumRestore  # pylint: disable=g-import-not-at-top
-  from weighted_accum.checkpoint import AccumSave  # pylint: disable=g-import-not-at-top
-  from weighted_accum.checkpoint import abstract_state  # pylint: disable=g-import-not-at-top
+  import _dp_common as common
+  import weighted_accum as wa
+  from weighted_accum import distributed as dist
+  from weighted_accum.checkpoint import AccumRestore
+  from weighted_accum.checkpoint import AccumSave
+  from weighted_accum.checkpoint import abstract_state
 
   assert jax.process_count() == 2 and jax.device_count() == 8, (
       jax.process_count(), jax.device_count())

@@ -181,7 +181,8 @@ def _leaf_status(leaves: list[Any], paths: list[str],
 
 def _mean_contrib(g: jax.Array, w: jax.Array, dt: jnp.dtype) -> jax.Array:
   """``cast(g, dt) * w`` exactly as ``core.accumulate_mean`` computes it."""
-  return (g.astype(dt).astype(core._compute_dtype(dt)) * w).astype(dt)  # pylint: disable=protected-access
+  ct = core._compute_dtype(dt)  # pylint: disable=protected-access
+  return (g.astype(dt).astype(ct) * w).astype(dt)
 
 
 # ---------------------------------------------------------------- autodiff --
@@ -662,9 +663,10 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   Returns:
     ``(out, new_state)``: ``out`` as :func:`reduce_sums` (identical on every
     replica; ``out.issued`` counts microbatches summed over the replicas, K
-    per replica in either mode). ``new_state`` is an empty window typed like ``state`` (a
-    ``lax.scan`` carry stays valid); for a zero global weight its counters
-    are unchanged, as in :func:`weighted_accum.finish_mean` under ``jit``.
+    per replica in either mode). ``new_state`` is an empty window typed
+    like ``state`` (a ``lax.scan`` carry stays valid); for a zero global
+    weight its counters are unchanged, as in
+    :func:`weighted_accum.finish_mean` under ``jit``.
 
   Raises:
     WeightedAccumulationError: for an unbound axis, an unknown ``reduce``, a
