@@ -206,8 +206,10 @@ def _crash(ckpt_dir: str) -> None:
   state = run(state, 2, 4, mesh)
 
   # Stall step 2's write after its array data is written and before its
-  # metadata is, so that the SIGKILL lands in the middle of the save.
-  async def stall(*args, **kwargs):
+  # metadata is, so that the SIGKILL lands in the middle of the save. A plain
+  # function blocks the commit thread whether Orbax awaits the call (0.12) or
+  # not (0.11).
+  def stall(*args, **kwargs):
     del args, kwargs
     print("WRITING", flush=True)
     time.sleep(600)

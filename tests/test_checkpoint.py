@@ -229,7 +229,7 @@ def test_sigkill_during_save_keeps_previous_step(tmp_path):
       [sys.executable, str(CHILD), "crash", str(ckpt)], env=_child_env(8),
       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   try:
-    _wait_for_line(proc, "WRITING", timeout=240)
+    _wait_for_line(proc, "WRITING", timeout=120)
     # Step 2's array data is on disk, its metadata is not: kill now.
     partial = [p for p in ckpt.iterdir() if p.name.startswith("2.")]
     assert partial and not (ckpt / "2").exists(), list(ckpt.iterdir())
