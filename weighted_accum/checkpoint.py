@@ -28,9 +28,12 @@ item's Orbax metadata. ``AccumSave`` also takes any pytree that contains
 :func:`weighted_accum.transform.weighted_multi_steps`; its other leaves are
 saved as by ``StandardSave`` and restored with the same strict checks.
 
-Saving copies every array to host memory before ``save`` returns (Orbax's
-device-to-host transfer is part of the blocking phase), and never modifies
-the state, so the state may be donated to the next jitted step at once.
+Saving never modifies the state, and Orbax finishes its device-to-host
+transfer before ``save`` returns (the blocking phase; only the file writes go
+on in the background), so the state may be donated to the next jitted step at
+once. On CPU the host copy is a zero-copy view: while the write holds it, JAX
+does not reuse that buffer for a donated output (the step allocates a fresh
+one), so the written values stay the pre-donation ones there too.
 
 Restoring validates before anything is returned, each fault raising
 :class:`~weighted_accum.errors.WeightedAccumulationError` that names the item
