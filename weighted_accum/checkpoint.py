@@ -191,9 +191,11 @@ class AccumRestore(ocp.args.CheckpointArgs):
     template: the tree to restore into: a concrete ``AccumState`` (e.g. the
       current one) or an abstract one (:func:`abstract_state`, or
       ``jax.eval_shape(wa.init, params)``), or the same pytree of states that
-      was saved. Each array is placed on its template leaf's sharding (a
-      ``ShapeDtypeStruct`` without one gets the saved sharding, when the
-      current devices allow it). Only read, never modified.
+      was saved. Each array is placed like its template leaf: on its
+      sharding; a ``ShapeDtypeStruct`` without one gets the saved sharding
+      when the current devices allow it; an uncommitted array (the scalars
+      of a fresh ``wa.init`` or ``tx.init``) comes back uncommitted. Dtypes
+      must match exactly. Only read, never modified.
 
   Example:
     See :class:`AccumSave`.
