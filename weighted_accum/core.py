@@ -25,9 +25,37 @@ from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import zeros_like
 
 
-def _compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
+def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
   """Arithmetic precision for scaling: at least float32 (no float16 overflow)."""
   return jnp.promote_types(dtype, jnp.float32)
+
+
+def mean_contribution(g: jax.Array, weight: jax.Array,
+                      dtype: jnp.dtype) -> jax.Array:
+  """``cast(g, dtype) * weight``: converted first, multiplied in >= float32."""
+  return (g.astype(dtype).astype(compute_dtype(dtype)) * weight).astype(dtype)
+
+
+def normalise(sums: Any, loss_scale: jax.Array,
+              weight: jax.Array) -> tuple[Any, jax.Array]:
+  """``(sums / loss_scale) / weight`` per leaf, and whether all are finite.
+
+  Sequential division in at least float32, never by ``loss_scale * weight``
+  (which can overflow float16); the result is in each leaf's dtype. Where
+  ``weight`` is not positive the grads are zeros and ``finite`` is false.
+  Shared by :func:`finish_mean` and :mod:`weighted_accum.distributed`.
+  """
+  ok = weight > 0
+
+  def divide(b):
+    ct = compute_dtype(b.dtype)
+    g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
+    return jnp.where(ok, g, jnp.zeros((), ct)).astype(b.dtype)
+
+  grads = jax.tree.map(divide, sums)
+  # Checked on the result (read after it is written in place): checking a
+  # donated input instead would force XLA to copy it first.
+  return grads, ok & all_finite(grads)
 
 
 def _grads_leaves(state: AccumState, grads: Any, what: str) -> list[Any]:
@@ -44,14 +72,10 @@ def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
   valid = jnp.isfinite(w) & (w >= 0)
   take = valid & (w > 0)
   dt = state.dtype
-  ct = _compute_dtype(dt)
 
   def update(buf, g):
-    g = g.astype(dt)  # convert first (DESIGN §2), then scale
-    if mean:
-      contrib = (g.astype(ct) * w).astype(dt)
-    else:
-      contrib = g
+    # Convert first (DESIGN §2), then scale.
+    contrib = mean_contribution(g, w, dt) if mean else g.astype(dt)
     # A select, not a multiplication: a zero-weight or rejected microbatch
     # adds nothing even when its grads are NaN/Inf (0 * NaN would leak). Fuses
     # into one read-read-write loop per leaf.
@@ -166,7 +190,7 @@ def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
                      name="accumulate_mean")
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
   """True when every value of ``tree`` is finite: one reduction per leaf.
 
   ``isfinite(sum(x))`` instead of ``all(isfinite(x))``: XLA:CPU fuses a plain
@@ -199,7 +223,7 @@ def _next_scale(state: AccumState, next_loss_scale: Any) -> jax.Array:
 
 @jax.jit
 def _finish_sums_kernel(state: AccumState, next_loss_scale: jax.Array | None):
-  finite = _all_finite(state.grads)
+  finite = all_finite(state.grads)
   out = AccumulatedGradients(
       grads=state.grads,
       weight=tally.join_traced(state.weight_hi, state.weight_lo),
@@ -248,19 +272,7 @@ def finish_sums(state: AccumState, *, next_loss_scale: Any = None
 def _finish_mean_kernel(state: AccumState, next_loss_scale: jax.Array | None):
   weight = tally.join_traced(state.weight_hi, state.weight_lo)
   ok = weight > 0
-  ct = _compute_dtype(state.dtype)
-  ls = state.loss_scale.astype(ct)
-  w = weight.astype(ct)
-
-  def normalise(b):
-    # Sequential division: never by ls * w, which can overflow float16.
-    g = (b.astype(ct) / ls) / w
-    return jnp.where(ok, g, jnp.zeros((), ct)).astype(b.dtype)
-
-  grads = jax.tree.map(normalise, state.grads)
-  # Checked on the result (read after it is written in place): checking the
-  # donated input instead would force XLA to copy it first.
-  finite = ok & _all_finite(grads)
+  grads, finite = normalise(state.grads, state.loss_scale, weight)
   out = AccumulatedGradients(grads=grads, weight=weight,
                              loss_scale=state.loss_scale, issued=state.issued,
                              finite=finite, valid=finite)

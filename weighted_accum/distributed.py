@@ -179,12 +179,6 @@ def _leaf_status(leaves: list[Any], paths: list[str],
   return bool(status and status[1])
 
 
-def _mean_contrib(g: jax.Array, w: jax.Array, dt: jnp.dtype) -> jax.Array:
-  """``cast(g, dt) * w`` exactly as ``core.accumulate_mean`` computes it."""
-  ct = core._compute_dtype(dt)  # pylint: disable=protected-access
-  return (g.astype(dt).astype(ct) * w).astype(dt)
-
-
 # ---------------------------------------------------------------- autodiff --
 
 def is_reduced(grads: Any, axis_name: AxisName) -> bool:
@@ -421,7 +415,7 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
           "the loss SUM and use accumulate_sum.")
     # Every replica divided by the same count n: n * grads is the sum of the
     # replicas' loss-sum gradients, and the global weight is n * replicas.
-    contrib = [_mean_contrib(g, w_ok, dt) for g in leaves]
+    contrib = [core.mean_contribution(g, w_ok, dt) for g in leaves]
     total = w_ok * _axes_size(axes)
     n_bad = bad.astype(jnp.float32)
   elif reduced:
@@ -430,7 +424,7 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   else:  # local gradients, reduce="microbatch": one psum of sums and weight
     take = ~bad & (w_ok > 0)
     zero = jnp.zeros((), dt)
-    contrib = [jnp.where(take, _mean_contrib(g, w_ok, dt) if mean
+    contrib = [jnp.where(take, core.mean_contribution(g, w_ok, dt) if mean
                          else g.astype(dt), zero) for g in leaves]
     contrib, total, n_bad = jax.lax.psum(
         (contrib, w_ok, bad.astype(jnp.float32)), axes)
@@ -580,18 +574,10 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
     for i, v in zip(idx, jax.lax.psum([leaves[i] for i in idx], ax)):
       out[i] = v
   weight = sum(scalars[:-1][1:], scalars[0])
-  ok = weight > 0
-  ls = jnp.asarray(loss_scale, jnp.float32)
-
-  def normalise(b):
-    ct = core._compute_dtype(b.dtype)  # pylint: disable=protected-access
-    g = (b.astype(ct) / ls.astype(ct)) / weight.astype(ct)  # sequential
-    return jnp.where(ok, g, jnp.zeros((), ct)).astype(b.dtype)
-
-  grads = jax.tree.unflatten(treedef, [normalise(b) for b in out])
-  # Computed from all-reduced (hence identical) values only, so every
-  # replica reports the same flags.
-  finite = ok & core._all_finite(grads)  # pylint: disable=protected-access
+  # From all-reduced (hence identical) values only, so every replica reports
+  # the same flags.
+  grads, finite = core.normalise(jax.tree.unflatten(treedef, out),
+                                 jnp.asarray(loss_scale, jnp.float32), weight)
   return AccumulatedGradients(
       grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
       issued=scalars[-1].astype(jnp.int32), finite=finite, valid=finite)
