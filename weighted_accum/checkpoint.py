@@ -441,13 +441,12 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def _check_structure(self, flat_target: dict, flat_meta: dict,
                        shown: dict, where: str) -> None:
-    missing = [k for k in flat_target if k not in flat_meta]
+    missing, extra = errors.diff_paths(list(flat_target), list(flat_meta))
     if missing:
       raise WeightedAccumulationError(
           f"{where}: leaf {shown[missing[0]]} of the template is missing from "
           f"the checkpoint ({len(missing)} missing in all). Restore with a "
           "template built from the params that were saved.")
-    extra = [k for k in flat_meta if k not in flat_target]
     if extra:
       raise WeightedAccumulationError(
           f"{where}: the checkpoint has leaf {_show(extra[0])}, which the "

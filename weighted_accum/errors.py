@@ -121,6 +121,14 @@ def _flat(tree: Any) -> list[tuple[str, Any]]:
   return [(path_str(p), leaf) for p, leaf in flat]
 
 
+def diff_paths(expected: Any, got: Any) -> tuple[list[Any], list[Any]]:
+  """The entries of ``expected`` missing from ``got``, and those of ``got``
+  not in ``expected``, each in its own order."""
+  got_set, expected_set = set(got), set(expected)
+  return ([p for p in expected if p not in got_set],
+          [p for p in got if p not in expected_set])
+
+
 def match_tree(reference: Any, tree: Any, *, what: str,
                ref_name: str = "the accumulator's buffers") -> list[Any]:
   """Checks that ``tree`` has ``reference``'s leaf paths and shapes.
@@ -145,9 +153,7 @@ def match_tree(reference: Any, tree: Any, *, what: str,
   ref_paths = [p for p, _ in ref]
   got_paths = [p for p, _ in got]
   if ref_paths != got_paths:
-    got_set, ref_set = set(got_paths), set(ref_paths)
-    missing = [p for p in ref_paths if p not in got_set]
-    extra = [p for p in got_paths if p not in ref_set]
+    missing, extra = diff_paths(ref_paths, got_paths)
     if missing:
       raise WeightedAccumulationError(
           f"{what}: leaf {missing[0]} is missing ({len(missing)} missing in "
