@@ -796,7 +796,7 @@ def main(argv=None) -> int:
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip() != "none"]
   args.layers = args.layers or (1 if args.smoke else 12)
   args.runs = args.runs or 15
-  args.e2e_runs = args.e2e_runs or 15
+  args.e2e_runs = args.e2e_runs or 12
   if args.runs < 10 or args.e2e_runs < 10:
     p.error("--runs and --e2e-runs must be at least 10 (median of >= 10)")
   out_dir = args.out or (Path(tempfile.mkdtemp(prefix="wa-bench-"))

@@ -115,27 +115,32 @@ def _wrapper():
   return weighted_multi_steps
 
 
-def test_wrapper_mid_window_step_is_in_place_with_one_temporary():
-  """update + apply_updates mid-window: params, inner state and buffers are
-  updated in place; the only parameter-sized temporary is the zero updates
-  (the inner state goes through the window's lax.cond without a copy)."""
-  tx = _wrapper()(optax.adamw(1e-3), 4)
-  grads = _tree(jnp.float32, 1)
-
+def _wrapper_step(tx):
   def step(params, opt_state, grads, weight):
     updates, opt_state = tx.update(grads, opt_state, params, weight=weight)
     return optax.apply_updates(params, updates), opt_state
 
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+@pytest.mark.parametrize("inner", [optax.adamw(1e-3), optax.sgd(0.1)],
+                         ids=["adamw", "sgd"])
+def test_wrapper_mid_window_step_is_in_place_without_temporaries(inner):
+  """update + apply_updates mid-window: params, inner state and buffers are
+  updated in place and nothing parameter-sized is allocated: the zero updates
+  are a select over the buffers that XLA fuses into apply_updates, and the
+  inner state goes through the window's lax.cond without a copy."""
+  tx = _wrapper()(inner, 4)
+  grads = _tree(jnp.float32, 1)
   # Donate the state exactly as init returns it: every leaf must be its own
   # buffer for that to work.
   params, opt_state = _fresh_copy(PARAMS), tx.init(PARAMS)
-  jitted = jax.jit(step, donate_argnums=(0, 1))
-  compiled = jitted.lower(params, opt_state, grads, 2.0).compile()
+  compiled = _wrapper_step(tx).lower(params, opt_state, grads, 2.0).compile()
   ma = compiled.memory_analysis()
   donated_bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
                       if x.size > 1)
   assert ma.alias_size_in_bytes >= donated_bytes
-  assert ma.temp_size_in_bytes <= 1.01 * BUFFER_BYTES
+  assert ma.temp_size_in_bytes <= 0.01 * BUFFER_BYTES
 
   addresses = _addresses((params, opt_state))
   new_params, new_state = compiled(params, opt_state, grads, 2.0)
@@ -145,6 +150,35 @@ def test_wrapper_mid_window_step_is_in_place_with_one_temporary():
   assert [new_addresses[i] for i in big] == [addresses[i] for i in big]
   np.testing.assert_array_equal(
       np.asarray(new_params["embed"]), np.asarray(PARAMS["embed"]))
+
+
+def test_wrapper_with_narrower_buffers_keeps_one_temporary_and_works():
+  """bfloat16 buffers cannot carry float32 updates exactly: the wrapper falls
+  back to zero updates out of its conditional (one parameter-sized
+  temporary), still in place, and applies the same window as with float32
+  buffers up to bfloat16 rounding of the sums."""
+  grads = [_tree(jnp.float32, 1), _tree(jnp.float32, 2)]
+  results = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    tx = _wrapper()(optax.sgd(1.0), 2, dtype=dtype)
+    step = _wrapper_step(tx)
+    params, state = _fresh_copy(PARAMS), tx.init(PARAMS)
+    ma = step.lower(params, state, grads[0], 2.0).compile().memory_analysis()
+    assert ma.temp_size_in_bytes <= 1.01 * BUFFER_BYTES
+    for g, w in zip(grads, (3.0, 1.0)):
+      params, state = step(params, state, g, w)
+    assert int(state.gradient_step) == 1
+    results[dtype] = params
+  # Reference in float64: sgd(1) on the weighted mean of the two microbatches.
+  ref = jax.tree.map(
+      lambda p, a, b: np.asarray(p, np.float64) - (
+          3 * np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 4,
+      PARAMS, *grads)
+  for dtype, rtol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+    for got, want in zip(jax.tree.leaves(results[dtype]),
+                         jax.tree.leaves(ref)):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=rtol,
+                                 atol=rtol)
 
 
 @pytest.mark.slow

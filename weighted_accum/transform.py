@@ -9,26 +9,38 @@ multiplies by a 0/1 mask (so a NaN cannot leak through ``0 * NaN``).
 
 How a step is laid out, and why (each alternative measured with
 ``compiled.memory_analysis()`` of a donated mid-window AdamW step on XLA:CPU,
-jax 0.10; P = the params' bytes):
+jax 0.10; P = the params' bytes). XLA:CPU allocates an executable's
+temporaries as one block per call, sized for the costlier branch of every
+conditional, and a block above 64 MiB is mmapped and page-faulted afresh on
+every call: a temporary of 1 P made the mid-window step 3x slower at 16M
+params (``benchmarks/run.py``), even though only a close needs it.
 
 1. The microbatch is accumulated outside any conditional, in place.
-2. ``lax.cond(closing, ...)``: at a close, ``finish_mean`` and, under a
-   nested ``lax.cond`` on the window's validity, the inner update; mid-window
-   the inner state passes through untouched. No buffer is written here.
-3. A second ``lax.cond``, whose predicate comes out of the first (so it runs
-   after the buffers were read), zeroes the buffers of a consumed window.
+2. ``lax.cond(closing, ...)``: at a close, the window's validity from
+   ``finish_sums`` (the pending sums are read in place; ``finish_mean``'s
+   normalised copy would be a 1 P temporary, because XLA:CPU does not fuse
+   the division into the finiteness reduction) and, under a nested
+   ``lax.cond`` on it, ``finish_mean`` fused into the inner update, whose
+   updates are written over the window's buffers (the "carrier").
+   Mid-window both branches return the buffers and the inner state
+   untouched: no write, no copy.
+3. After the conditional, two selects: ``updates = where(applied, carrier,
+   0)``, which XLA fuses into the caller's ``optax.apply_updates``, and the
+   next window's buffers ``where(consumed, 0, carrier)``, written in place
+   after the caller's read.
 
-Result: params, buffers and inner state aliased; temporaries 1.0 P, the zero
-``updates`` tree that the optax contract returns (``optax.MultiSteps``: 3.0
-P). Rejected layouts: one conditional that also resets the buffers makes XLA
-copy every buffer on every mid-window step (2.0 P: the resetting branch reads
-the buffers before overwriting them, so the conditional's output gets a
-buffer of its own); keeping the inner state on invalid windows with
-``jnp.where`` instead of the nested conditional copies the inner state (3.0
-P); passing the normalised gradient into the nested conditional materialises
-it at a close (2.0 P), so the branch recomputes it from the buffers and XLA
-fuses the division into the inner update's loops. Callers that do not need
-optax's ``updates`` should use the functional API
+Result: params, buffers and inner state aliased, no parameter-sized
+temporary (``optax.MultiSteps``: 3.0 P); mid-window the step reads and writes
+the buffers and params only (about 2-3x a bare donated add, vs 15-23x for
+``optax.MultiSteps``). When the updates cannot live in the buffers exactly
+(another tree, or a work dtype narrower than the updates', e.g. bfloat16
+buffers for float32 params), the zero updates come out of the conditional
+instead (1.0 P). Rejected layouts: zeroing the buffers in a second
+conditional copies the carrier (the caller still reads it); one conditional
+that also resets the buffers makes XLA copy every buffer on every mid-window
+step (2.0 P); keeping the inner state on invalid windows with ``jnp.where``
+instead of the nested conditional copies the inner state (3.0 P). Callers
+that do not need optax's ``updates`` should use the functional API
 (:func:`weighted_accum.accumulate_mean` and friends) directly: mid-window it
 touches the buffers only.
 """
@@ -328,23 +340,48 @@ def weighted_multi_steps(
 
     shapes = jax.eval_shape(apply, accum.grads, state.inner_state, params)[0]
 
+    # The updates travel in the window's buffers when they fit there exactly
+    # (same tree and shapes, a dtype the work dtype holds losslessly): the
+    # conditionals then pass the buffers through untouched mid-window, and
+    # the zero updates are a select that XLA fuses into the caller's
+    # ``optax.apply_updates``, so no parameter-sized temporary exists. See
+    # the module docstring.
+    buf_leaves, buf_def = jax.tree.flatten(accum.grads)
+    upd_leaves, upd_def = jax.tree.flatten(shapes)
+    carry = upd_def == buf_def and all(
+        u.shape == b.shape and
+        jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
+        for u, b in zip(upd_leaves, buf_leaves))
+
     def zero_updates():
       return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
+    def to_carrier(updates, buffers):
+      return jax.tree.map(lambda u, b: u.astype(b.dtype), updates, buffers)
+
     def skip(buffers, inner_state, params):
-      del buffers, params
-      return zero_updates(), inner_state
+      del params
+      return (buffers if carry else zero_updates()), inner_state
 
     def close(accum, inner_state, params):
-      out, new_accum = core.finish_mean(accum,
-                                        next_loss_scale=next_loss_scale)
+      # The window's validity from its sums, read in place: finish_mean's
+      # normalised copy would be a parameter-sized temporary (XLA:CPU does
+      # not fuse the division into the finiteness reduction).
+      out, reset = core.finish_sums(accum, next_loss_scale=next_loss_scale)
+      nonempty = out.weight > 0
+      out = out.replace(valid=out.finite & nonempty)
+      # As finish_mean: an empty window keeps its counters.
+      new_accum = jax.tree.map(lambda r, s: jnp.where(nonempty, r, s),
+                               reset.replace(grads=None),
+                               accum.replace(grads=None))
 
       def apply_window(buffers, inner_state, params):
         # finish_mean again, inside the branch, so that XLA fuses the
         # division into the inner update's loops instead of materialising
         # the normalised gradient as an operand of this conditional.
         g, _ = core.finish_mean(accum.replace(grads=buffers))
-        return apply(g.grads, inner_state, params)
+        upd, new_inner = apply(g.grads, inner_state, params)
+        return (to_carrier(upd, buffers) if carry else upd), new_inner
 
       # An invalid window (non-finite or empty) does not reach the inner
       # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN)
@@ -358,18 +395,30 @@ def weighted_multi_steps(
     def stay_open(accum, inner_state, params):
       del params
       f = jnp.bool_(False)
-      return (zero_updates(), inner_state,
+      return ((accum.grads if carry else zero_updates()), inner_state,
               accum.replace(grads=None), f, f, f, f)
 
     (new_updates, inner_state, counters, applied, nonfinite, consumed,
      empty) = lax.cond(closing, close, stay_open, accum, state.inner_state,
                        params)
-    # Zeroing the consumed window's buffers in a conditional of its own (its
-    # predicate comes out of the one above, so it runs after the buffers
-    # were read) lets XLA update them in place; see the module docstring.
-    buffers = lax.cond(consumed,
-                       lambda b: jax.tree.map(jnp.zeros_like, b),
-                       lambda b: b, accum.grads)
+    if carry:
+      # ``new_updates`` holds the applied window's updates, or the buffers.
+      # Selects, not conditionals: XLA schedules them after the caller's
+      # read of the updates and writes the buffers in place (a conditional
+      # here would make it copy the buffers first).
+      carrier = new_updates
+      new_updates = jax.tree.map(
+          lambda c, s: jnp.where(applied, c, jnp.zeros((), c.dtype)).astype(
+              s.dtype), carrier, shapes)
+      buffers = jax.tree.map(
+          lambda c: jnp.where(consumed, jnp.zeros((), c.dtype), c), carrier)
+    else:
+      # Zeroing the consumed window's buffers in a conditional of its own
+      # (its predicate comes out of the one above, so it runs after the
+      # buffers were read) lets XLA update them in place.
+      buffers = lax.cond(consumed,
+                         lambda b: jax.tree.map(jnp.zeros_like, b),
+                         lambda b: b, accum.grads)
     one = jnp.int32(1)
     new_state = WeightedMultiStepsState(
         inner_state=inner_state,
