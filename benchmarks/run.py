@@ -10,7 +10,7 @@ writes ``benchmarks/results/<backend>-<date>.{json,md,png}`` and prints the
 Markdown table. It runs unchanged on CPU, GPU and TPU (the default JAX device).
 
 Method: every comparison is measured in the same process, on the same data,
-interleaved round-robin (the order rotates each round), warm (compiled first),
+interleaved (each round calls every case once, in a random order), warm,
 with ``jax.block_until_ready``; the figure is the median of ``--runs`` rounds
 (at least 10) and is reported as a ratio to the baseline of the same group.
 
@@ -168,19 +168,22 @@ def _minor_faults() -> int:
 
 
 def interleaved(cases: list[Case], runs: int, warmup: int) -> dict[str, list]:
-  """Round-robin timing: each round calls every case once, order rotating."""
+  """Interleaved timing: each round calls every case once, in a fresh random
+  order (seeded), so no case always follows the same neighbour (whose freed
+  or freshly touched memory would bias it)."""
   for _ in range(warmup):
     for c in cases:
       c()
   times = {c.name: [] for c in cases}
   for c in cases:
     c.faults.clear()
+  rng = np.random.default_rng(0)
   gc.collect()
   gc.disable()
   try:
-    for r in range(runs):
-      k = r % len(cases)
-      for c in cases[k:] + cases[:k]:
+    for _ in range(runs):
+      for i in rng.permutation(len(cases)):
+        c = cases[i]
         times[c.name].append(c())
   finally:
     gc.enable()
@@ -602,7 +605,9 @@ def markdown(meta: dict, rows: list[dict], e2e_res: dict | None,
   L.append(f"Machine: {meta['machine']}; {meta['backend']} "
            f"({meta['device_kind']}), jax {meta['versions']['jax']}, optax "
            f"{meta['versions']['optax']}, flax {meta['versions']['flax']}; "
-           f"{meta['date']}; allocator {meta['allocator']}; "
+           f"{meta['date']}; load average "
+           f"{(meta['load_average'] or [float('nan')])[0]:.1f} at start; "
+           f"allocator {meta['allocator']}; "
            f"`{meta['command']}`; median of {meta['runs']} "
            "interleaved warm runs, ratio to the baseline of the same group.")
   L.append("")
@@ -813,8 +818,8 @@ def main(argv=None) -> int:
       backend=backend, device_kind=dev.device_kind,
       devices=jax.device_count(), machine=machine(), date=date,
       timestamp=datetime.datetime.now().isoformat(timespec="seconds"),
-      command="python benchmarks/run.py " + " ".join(
-          argv if argv is not None else sys.argv[1:]),
+      command=" ".join(["python benchmarks/run.py"] + list(
+          argv if argv is not None else sys.argv[1:])),
       runs=args.runs, e2e_runs=args.e2e_runs, warmup=args.warmup,
       versions=dict(jax=jax.__version__, optax=optax.__version__,
                     flax=flax.__version__, numpy=np.__version__,
