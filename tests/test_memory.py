@@ -107,14 +107,6 @@ def test_finish_writes_result_in_place_and_little_else(fn):
   assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(new.grads))
 
 
-def _wrapper():
-  try:
-    from weighted_accum.transform import weighted_multi_steps
-  except ImportError as e:  # Fails loudly: the wrapper is part of the package.
-    raise AssertionError("weighted_accum.transform is missing") from e
-  return weighted_multi_steps
-
-
 def _wrapper_step(tx):
   def step(params, opt_state, grads, weight):
     updates, opt_state = tx.update(grads, opt_state, params, weight=weight)
@@ -130,7 +122,7 @@ def test_wrapper_mid_window_step_is_in_place_without_temporaries(inner):
   updated in place and nothing parameter-sized is allocated: the zero updates
   are a select over the buffers that XLA fuses into apply_updates, and the
   inner state goes through the window's lax.cond without a copy."""
-  tx = _wrapper()(inner, 4)
+  tx = wa.weighted_multi_steps(inner, 4)
   grads = _tree(jnp.float32, 1)
   # Donate the state exactly as init returns it: every leaf must be its own
   # buffer for that to work.
@@ -160,7 +152,7 @@ def test_wrapper_with_narrower_buffers_keeps_one_temporary_and_works():
   grads = [_tree(jnp.float32, 1), _tree(jnp.float32, 2)]
   results = {}
   for dtype in (jnp.float32, jnp.bfloat16):
-    tx = _wrapper()(optax.sgd(1.0), 2, dtype=dtype)
+    tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, dtype=dtype)
     step = _wrapper_step(tx)
     params, state = _fresh_copy(PARAMS), tx.init(PARAMS)
     ma = step.lower(params, state, grads[0], 2.0).compile().memory_analysis()
