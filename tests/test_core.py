@@ -289,3 +289,13 @@ def test_reading_counters_changes_nothing():
                jax.tree.map(np.asarray, state))
   state = wa.accumulate_sum(state, {"w": jnp.ones(2)}, 5)
   assert state.total_weight == 10.0
+
+
+def test_empty_window_under_jit_is_finite_but_invalid():
+  """A zero-weight window has no non-finite pending value: ``finite`` must
+  stay true (a dynamic loss scaler would otherwise lower its scale for
+  nothing); only ``valid`` is false."""
+  state = wa.init({"w": jnp.zeros(3)})
+  state = wa.accumulate_mean(state, {"w": jnp.full(3, jnp.nan)}, 0.0)
+  out, _ = jax.jit(wa.finish_mean)(state)
+  assert bool(out.finite) and not bool(out.valid)

@@ -42,7 +42,9 @@ def normalise(sums: Any, loss_scale: jax.Array,
 
   Sequential division in at least float32, never by ``loss_scale * weight``
   (which can overflow float16); the result is in each leaf's dtype. Where
-  ``weight`` is not positive the grads are zeros and ``finite`` is false.
+  ``weight`` is not positive the grads are zeros; ``finite`` only says
+  whether every result value is finite (callers add ``weight > 0`` to
+  ``valid``).
   Shared by :func:`finish_mean` and :mod:`weighted_accum.distributed`.
   """
   ok = weight > 0
@@ -55,7 +57,7 @@ def normalise(sums: Any, loss_scale: jax.Array,
   grads = jax.tree.map(divide, sums)
   # Checked on the result (read after it is written in place): checking a
   # donated input instead would force XLA to copy it first.
-  return grads, ok & all_finite(grads)
+  return grads, all_finite(grads)
 
 
 def _grads_leaves(state: AccumState, grads: Any, what: str) -> list[Any]:
@@ -275,7 +277,7 @@ def _finish_mean_kernel(state: AccumState, next_loss_scale: jax.Array | None):
   grads, finite = normalise(state.grads, state.loss_scale, weight)
   out = AccumulatedGradients(grads=grads, weight=weight,
                              loss_scale=state.loss_scale, issued=state.issued,
-                             finite=finite, valid=finite)
+                             finite=finite, valid=finite & ok)
   reset = _reset(state, _next_scale(state, next_loss_scale))
   # A zero-weight window keeps its counters; its buffers are all zero (see
   # weighted_accum.state), so the fresh zeros leave it unchanged too.

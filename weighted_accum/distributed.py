@@ -580,7 +580,8 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
                                  jnp.asarray(loss_scale, jnp.float32), weight)
   return AccumulatedGradients(
       grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
-      issued=scalars[-1].astype(jnp.int32), finite=finite, valid=finite)
+      issued=scalars[-1].astype(jnp.int32), finite=finite,
+      valid=finite & (weight > 0))
 
 
 def reduce_sums(out: AccumulatedGradients,
