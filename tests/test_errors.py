@@ -174,3 +174,13 @@ def test_checkify_turns_traced_faults_into_errors(state):
 def test_traced_invalid_next_loss_scale_keeps_current(state):
   _, new = jax.jit(wa.finish_mean)(state, next_loss_scale=jnp.float32(-1.0))
   assert float(new.loss_scale) == 1.0
+
+
+@pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean])
+def test_weight_beyond_float32_range_raises_eagerly(state, fn):
+  """1e39 is finite as a Python float but infinite as the float32 weight the
+  tally keeps: eagerly it must raise, not be silently rejected."""
+  before = _snapshot(state)
+  with pytest.raises(wa.WeightedAccumulationError, match=r"weight.*1e\+39"):
+    fn(state, _grads(), 1e39)
+  _assert_same(state, before)

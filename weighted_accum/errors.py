@@ -109,11 +109,13 @@ def check_weight(weight: Any, *, what: str = "weight") -> None:
         f"{what}: dtype {dt} is not a real number. Pass the microbatch's "
         "token or sample count.")
   value = concrete_float(weight)
-  if value is not None and not (math.isfinite(value) and value >= 0):
+  # The tally keeps weights in float32: a larger value would become Inf there.
+  if value is not None and not (math.isfinite(value) and value >= 0 and
+                                value <= float(np.finfo(np.float32).max)):
     raise WeightedAccumulationError(
-        f"{what}: {value!r} is not a finite non-negative number. The weight is "
-        "the microbatch's effective item count (tokens, samples); use 0 for a "
-        "fully masked microbatch. The state was left unchanged.")
+        f"{what}: {value!r} is not a finite non-negative float32 number. The "
+        "weight is the microbatch's effective item count (tokens, samples); "
+        "use 0 for a fully masked microbatch. The state was left unchanged.")
 
 
 def _flat(tree: Any) -> list[tuple[str, Any]]:
