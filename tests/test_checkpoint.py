@@ -389,6 +389,15 @@ def test_refuses_a_cast_of_another_leaf(tmp_path):
                   "float32")
 
 
+def test_refuses_a_python_scalar_of_another_type(tmp_path):
+  # A float saved where the template holds an int would come back truncated
+  # (7.5 -> 7) if not refused.
+  state = wa.init({"w": jnp.zeros(2)})
+  _save(tmp_path / "tree", {"accum": state, "step": 7.5})
+  _assert_refused(tmp_path / "tree", {"accum": state, "step": 0}, "['step']",
+                  "float64", "int64")
+
+
 @pytest.mark.parametrize("field,value,needle", [
     ("weight_hi", -1.0, "'total_weight'"),
     ("weight_hi", np.nan, "'total_weight'"),

@@ -517,7 +517,8 @@ def _role(key: tuple[str, ...], leaf: Any,
         return "buffer", np.dtype(s.dtype)
       return "counter", np.dtype(_COUNTER_DTYPES[key[n + 1]])
   if isinstance(leaf, (bool, int, float, complex)):
-    return "other", None  # Python scalars: Orbax stores their own types.
+    # Python scalars: Orbax stores int as int64, float as float64.
+    return "other", np.dtype(type(leaf))
   return "other", np.dtype(jnp.result_type(leaf))
 
 
