@@ -389,6 +389,14 @@ def test_refuses_a_cast_of_another_leaf(tmp_path):
                   "float32")
 
 
+def test_state_without_buffers_keeps_its_work_dtype(tmp_path):
+  state = wa.init({}, dtype=BF16)
+  _save(tmp_path / "accum", state)
+  got = _restore(tmp_path / "accum", wa.init({}, dtype=BF16))
+  assert got.dtype == BF16
+  assert jax.tree.structure(got) == jax.tree.structure(state)
+
+
 def test_refuses_a_python_scalar_of_another_type(tmp_path):
   # A float saved where the template holds an int would come back truncated
   # (7.5 -> 7) if not refused.

@@ -492,6 +492,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         s = state_lib.from_buffers(r[_GRADS], r[_GRADS], counters)
       except WeightedAccumulationError as e:
         raise WeightedAccumulationError(f"{here}: {e}") from e
+      # The saved work dtype (checked against t's): from_buffers can only
+      # infer it from the buffers, and a state without any gets float32.
+      s = s.replace(dtype=jnp.dtype(t.dtype))
       placed = {}
       for name in state_lib.COUNTER_FIELDS:
         like = getattr(t, name)
