@@ -625,3 +625,19 @@ def test_readme_optax_section_runs(capsys):
   for block in blocks:
     exec(compile(block, "README optax section", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.split() == ["3", "True", "8", "2"]
+
+
+def test_float16_buffers_window_mean_beyond_float16_range_is_not_inf():
+  """total weight * loss scale < 1: the window's sums fit float16 but its
+  mean (1000 / 0.01 = 1e5) does not. With float32 params the inner
+  optimizer must get the exact float32 mean, not a float16 Inf that the
+  window's validity check (on the sums) cannot see."""
+  tx = wa.weighted_multi_steps(optax.sgd(1.0), 1, mode="sum",
+                               dtype=jnp.float16)
+  params = {"w": jnp.ones(2)}
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p, weight=0.01))
+  upd, state = step({"w": jnp.full(2, 1000.0)}, tx.init(params), params)
+  assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
+  want = -np.float64(np.float16(1000.0)) / np.float64(np.float32(0.01))
+  np.testing.assert_allclose(np.asarray(upd["w"], np.float64), [want] * 2,
+                             rtol=1e-6)

@@ -376,11 +376,16 @@ def weighted_multi_steps(
                                accum.replace(grads=None))
 
       def apply_window(buffers, inner_state, params):
-        # finish_mean again, inside the branch, so that XLA fuses the
-        # division into the inner update's loops instead of materialising
-        # the normalised gradient as an operand of this conditional.
-        g, _ = core.finish_mean(accum.replace(grads=buffers))
-        upd, new_inner = apply(g.grads, inner_state, params)
+        # finish_mean's division, inside the branch, so that XLA fuses it
+        # into the inner update's loops instead of materialising the
+        # normalised gradient as an operand of this conditional. Kept in at
+        # least float32 (not rounded back to a narrower work dtype): when
+        # total weight * loss scale < 1 the mean can exceed float16's range
+        # although the sums, whose finiteness ``valid`` checked, do not.
+        wide = jax.tree.map(lambda b: b.astype(core.compute_dtype(b.dtype)),
+                            buffers)
+        g, _ = core.normalise(wide, accum.loss_scale, out.weight)
+        upd, new_inner = apply(g, inner_state, params)
         return (to_carrier(upd, buffers) if carry else upd), new_inner
 
       # An invalid window (non-finite or empty) does not reach the inner
