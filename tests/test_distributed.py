@@ -28,6 +28,7 @@ import pytest
 
 import weighted_accum as wa
 from weighted_accum import distributed as dist
+from weighted_accum import errors
 
 import _dp_common as common
 
@@ -237,7 +238,7 @@ def test_one_collective_round_per_window(params):
 def _per_replica(x):
   """``x[None]`` typed as varying over 'data' (for out_specs=P('data'))."""
   x = jnp.asarray(x)[None]
-  return x if "data" in dist._vma(x) else jax.lax.pcast(x, "data",
+  return x if "data" in errors.varying_axes(x) else jax.lax.pcast(x, "data",
                                                         to="varying")
 
 
@@ -723,3 +724,33 @@ def test_readme_scaling_section_runs():
   exec(code, scope)  # pylint: disable=exec-used
   _record("README example, explicit vs implicit", scope["explicit"],
           scope["implicit"].grads)
+
+
+def test_core_accumulate_refuses_autodiff_reduced_grads_with_local_weight():
+  """The silent x R: grads of a replicated param come out of autodiff already
+  summed over 'data'; adding them to a per-replica window with this replica's
+  own count and reducing would count them once per replica. The core refuses
+  at trace time and points to the distributed helpers, which get it right."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  loss = lambda p, x: jnp.sum(x * p["w"])
+
+  def core_step(p, x):
+    g = jax.grad(loss)(p, x)                      # unvarying: already summed
+    s = wa.accumulate_sum(wa.init(p), g, jnp.sum(x >= 0).astype(jnp.float32))
+    return dist.reduce_sums(wa.finish_sums(s)[0], "data").grads
+
+  def dist_step(p, x):
+    g = jax.grad(loss)(p, x)
+    s = dist.accumulate_sum(wa.init(p), g, jnp.sum(x >= 0).astype(jnp.float32),
+                            "data")
+    return dist.finish_mean(s, "data")[0].grads
+
+  run = lambda f: jax.jit(jax.shard_map(
+      f, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))(
+          {"w": jnp.ones(())}, jnp.arange(16.0))
+  with pytest.raises(wa.WeightedAccumulationError,
+                     match=r"\['w'\] does not vary over mesh axis \('data',\)"):
+    run(core_step)
+  # Reference: d/dw sum(x * w) / N = mean(x) over all 16 items, in NumPy.
+  np.testing.assert_allclose(float(run(dist_step)["w"]),
+                             np.mean(np.arange(16.0)), rtol=1e-6)

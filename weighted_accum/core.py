@@ -67,6 +67,14 @@ def _grads_leaves(state: AccumState, grads: Any, what: str) -> list[Any]:
   return leaves
 
 
+def _check_weight(state: AccumState, leaves: list[Any], weight: Any,
+                  what: str) -> None:
+  errors.check_weight(weight, what=f"{what}(weight)")
+  errors.check_not_reduced_against_weight(
+      list(zip(errors.leaf_paths(state.grads), leaves)), weight,
+      what=f"{what}(grads)")
+
+
 @functools.partial(jax.jit, static_argnames=("mean",))
 def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
                        mean: bool) -> AccumState:
@@ -102,7 +110,7 @@ def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
 def _accumulate(state: AccumState, grads: Any, weight: Any, *, mean: bool,
                 checked: bool, name: str) -> AccumState:
   leaves = _grads_leaves(state, grads, what=f"{name}(grads)")
-  errors.check_weight(weight, what=f"{name}(weight)")
+  _check_weight(state, leaves, weight, name)
   if checked and errors.is_traced(weight):
     w = jnp.asarray(weight, jnp.float32)
     checkify.check(

@@ -106,24 +106,13 @@ def _axes_size(axes: tuple[str, ...]) -> int:
   return math.prod(jax.lax.axis_size(a) for a in axes)
 
 
-def _vma(x: Any) -> frozenset:
-  """The mesh axes ``x`` varies over (``jax.typeof(x).vma`` in newer JAX,
-  ``.mat.varying`` in jax 0.10)."""
-  aval = jax.typeof(x)
-  v = getattr(aval, "vma", None)
-  if v is None:
-    mat = getattr(aval, "mat", None)
-    v = getattr(mat, "varying", frozenset())
-  return frozenset(v)
-
-
 def _vma_checked(axes: tuple[str, ...]) -> bool:
   """Whether ``shard_map`` tracks varying types (``check_vma=True``).
 
   With ``check_vma=False`` every value reads as unvarying and autodiff does
   not sum gradients of replicated params: they are local.
   """
-  return axes[0] in _vma(jax.lax.axis_index(axes[0]))
+  return axes[0] in errors.varying_axes(jax.lax.axis_index(axes[0]))
 
 
 def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -132,7 +121,7 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in axes if a not in _vma(x))
+    missing = tuple(a for a in axes if a not in errors.varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
@@ -140,7 +129,8 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 
 def _like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
   """Casts ``x`` to vary over the ``axes`` that ``ref`` varies over."""
-  missing = tuple(a for a in axes if a in _vma(ref) and a not in _vma(x))
+  missing = tuple(a for a in axes if a in errors.varying_axes(ref)
+                  and a not in errors.varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -159,7 +149,7 @@ def _leaf_status(leaves: list[Any], paths: list[str],
     return False
   status = None
   for path, x in zip(paths, leaves):
-    v = _vma(x) & set(axes)
+    v = errors.varying_axes(x) & set(axes)
     if v and v != set(axes):
       raise WeightedAccumulationError(
           f"{what}: leaf {path} varies over {sorted(v)} but not over "
@@ -386,7 +376,7 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   vma_on = _vma_checked(axes)
   if reduce == "microbatch" and vma_on:
     varying = [p for p, b in zip(paths, jax.tree.leaves(state.grads))
-               if _vma(b) & set(axes)]
+               if errors.varying_axes(b) & set(axes)]
     if varying:
       raise WeightedAccumulationError(
           f"{what}(state): buffer {varying[0]} varies over {axes}: this "
@@ -404,7 +394,7 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   bad = ~(jnp.isfinite(w) & (w >= 0))
   w_ok = jnp.where(bad, 0.0, w)
   if reduced and mean:
-    if set(axes) & _vma(weight):
+    if set(axes) & errors.varying_axes(weight):
       raise WeightedAccumulationError(
           f"{what}(grads): these gradients of per-replica MEAN losses were "
           f"already summed over {axes} by autodiff (the params are unvarying "
@@ -436,6 +426,8 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
     # exactly (no division by the replica count, no rounding).
     owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
     gweight = jnp.where(owner | (n_bad > 0), gweight, 0.0)
+    # The window's buffers are per replica from here on (typed varying).
+    contrib = _to_varying(contrib, axes)
   return core.accumulate_sum(state, jax.tree.unflatten(treedef, contrib),
                              gweight, checked=checked)
 
@@ -550,7 +542,7 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
   """One collective round: psum of the varying sums with weights and count,
   then divide by the loss scale, then by the global weight."""
   vma_on = _vma_checked(axes)
-  if vma_on and set(axes) & _vma(loss_scale):
+  if vma_on and set(axes) & errors.varying_axes(loss_scale):
     raise WeightedAccumulationError(
         f"{what}: the loss scale varies over {axes}; every replica must use "
         "the same loss scale for a window. Pass it in with P() (unvarying).")
@@ -559,7 +551,8 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
   for i, x in enumerate(leaves):
     # An unvarying leaf is identical on every replica: already global (an
     # empty window's zeros, or sums of gradients autodiff reduced).
-    ax = tuple(a for a in axes if a in _vma(x)) if vma_on else axes
+    ax = (tuple(a for a in axes if a in errors.varying_axes(x)) if vma_on
+          else axes)
     if ax:
       groups.setdefault(ax, []).append(i)
   # Weights and the count are per replica by contract: always summed.
@@ -685,7 +678,7 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
       named = [("weight", state.weight_hi)] + list(
           zip(errors.leaf_paths(state.grads), jax.tree.leaves(state.grads)))
       for path, x in named:
-        if _vma(x) & set(axes):
+        if errors.varying_axes(x) & set(axes):
           raise WeightedAccumulationError(
               f"{what}(state): {path} varies over {axes}, so the window holds "
               "per-replica values, not the global sums reduce='microbatch' "

@@ -55,6 +55,44 @@ def concrete_float(x: Any) -> float | None:
   return float(np.asarray(x))
 
 
+def varying_axes(x: Any) -> frozenset:
+  """The ``shard_map`` mesh axes ``x`` varies over (empty outside one).
+
+  ``jax.typeof(x).vma`` in newer JAX, ``.mat.varying`` in jax 0.10.
+  """
+  aval = jax.typeof(x)
+  v = getattr(aval, "vma", None)
+  if v is None:
+    v = getattr(getattr(aval, "mat", None), "varying", frozenset())
+  return frozenset(v)
+
+
+def check_not_reduced_against_weight(paths_and_leaves: list[tuple[str, Any]],
+                                     weight: Any, *, what: str) -> None:
+  """Raises when grads were already summed over a data axis but the weight
+  was not: inside ``shard_map``, autodiff sums the gradient of an unvarying
+  (replicated) param over the axis, so adding it to a per-replica window and
+  reducing that window would count it once per replica.
+  """
+  if not is_traced(weight):
+    return
+  w_axes = varying_axes(weight)
+  if not w_axes:
+    return
+  for path, leaf in paths_and_leaves:
+    summed = w_axes - varying_axes(leaf)
+    if summed:
+      axes = tuple(sorted(summed))
+      raise WeightedAccumulationError(
+          f"{what}: leaf {path} does not vary over mesh axis {axes} while "
+          "the weight does: autodiff already summed this gradient over the "
+          "replicas (its param is replicated), so a per-replica window would "
+          "count it once per replica. Use weighted_accum.distributed."
+          "accumulate_sum/accumulate_mean, which handle such gradients, or "
+          "differentiate local gradients with weighted_accum.distributed."
+          f"local_grad (jax.lax.pcast(params, {axes!r}, to='varying')).")
+
+
 def path_str(path: tuple) -> str:
   """A readable leaf path such as ``['layer']['kernel']`` (``<root>`` if empty)."""
   s = jax.tree_util.keystr(path)
