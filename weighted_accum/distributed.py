@@ -629,10 +629,13 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   """Finishes a data-parallel window: the exact global mean gradient.
 
   ``reduce="window"``: :func:`weighted_accum.finish_sums` then
-  :func:`reduce_sums`, summing the weight's exact (hi, lo) pair; one
+  :func:`reduce_sums`, summing the weight's (hi, lo) parts (each in
+  float32, so exact while every part sum is); one
   collective round. ``reduce="microbatch"``: the buffers already hold the
   global sums, so this is :func:`weighted_accum.finish_mean` with no
-  communication.
+  communication. Pass the mode the window was accumulated in: a
+  ``"microbatch"`` window finished with ``reduce="window"`` would sum its
+  already-global weight once more (the types cannot tell the two apart).
 
   Args:
     state: the window.
