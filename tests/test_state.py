@@ -154,3 +154,16 @@ def test_from_buffers_counter_faults(change, match):
   counters = {**{k: np.asarray(v) for k, v in state.counters.items()}, **change}
   with pytest.raises(wa.WeightedAccumulationError, match=match):
     wa.from_buffers(params, state.grads, counters)
+
+
+def test_grads_sharded_unlike_params_keep_buffer_shardings():
+  mesh = _mesh()
+  params = _sharded_params(mesh)
+  grads = {k: jax.device_put(jnp.ones_like(p), NamedSharding(mesh, P()))
+           for k, p in params.items()}
+  grads["w"] = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P("model", None)))
+  state = wa.accumulate_sum(wa.init(params), grads, 2.0)
+  _assert_shardings(state.grads, params)
+  state = wa.accumulate_mean(state, grads, 1.0)
+  _assert_shardings(state.grads, params)
+  np.testing.assert_array_equal(np.asarray(state.grads["w"]), np.full((8, 6), 2.0))

@@ -117,7 +117,22 @@ def _accumulate(state: AccumState, grads: Any, weight: Any, *, mean: bool,
         jnp.isfinite(w) & (w >= 0),
         name + ": weight {w} is not a finite non-negative item count; the "
         "microbatch was rejected (state.rejected counts it).", w=w)
-  return _accumulate_kernel(state, leaves, weight, mean=mean)
+  return _accumulate_kernel(state, _on_buffer_shardings(state, leaves),
+                            weight, mean=mean)
+
+
+def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
+  """Eagerly, moves grads sharded unlike their buffers onto the buffers'
+  shardings, so the result keeps the params' placement (under ``jit`` the
+  partitioner decides; params and grads normally agree there)."""
+  out = []
+  for g, b in zip(leaves, jax.tree.leaves(state.grads)):
+    if (isinstance(g, jax.Array) and isinstance(b, jax.Array)
+        and not errors.is_traced(g) and not errors.is_traced(b)
+        and not g.sharding.is_equivalent_to(b.sharding, b.ndim)):
+      g = jax.device_put(g, b.sharding)
+    out.append(g)
+  return out
 
 
 def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
