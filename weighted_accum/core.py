@@ -60,19 +60,16 @@ def normalise(sums: Any, loss_scale: jax.Array,
   return grads, all_finite(grads)
 
 
-def _grads_leaves(state: AccumState, grads: Any, what: str) -> list[Any]:
-  leaves = errors.match_tree(state.grads, grads, what=what)
-  errors.check_leaves_floating(
-      list(zip(errors.leaf_paths(state.grads), leaves)), what=what)
+def _check_inputs(state: AccumState, grads: Any, weight: Any,
+                  name: str) -> list[Any]:
+  """Structural checks of one microbatch; returns the grads' leaves."""
+  leaves = errors.match_tree(state.grads, grads, what=f"{name}(grads)")
+  named = list(zip(errors.leaf_paths(state.grads), leaves))
+  errors.check_leaves_floating(named, what=f"{name}(grads)")
+  errors.check_weight(weight, what=f"{name}(weight)")
+  errors.check_not_reduced_against_weight(named, weight,
+                                          what=f"{name}(grads)")
   return leaves
-
-
-def _check_weight(state: AccumState, leaves: list[Any], weight: Any,
-                  what: str) -> None:
-  errors.check_weight(weight, what=f"{what}(weight)")
-  errors.check_not_reduced_against_weight(
-      list(zip(errors.leaf_paths(state.grads), leaves)), weight,
-      what=f"{what}(grads)")
 
 
 @functools.partial(jax.jit, static_argnames=("mean",))
@@ -109,8 +106,7 @@ def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
 
 def _accumulate(state: AccumState, grads: Any, weight: Any, *, mean: bool,
                 checked: bool, name: str) -> AccumState:
-  leaves = _grads_leaves(state, grads, what=f"{name}(grads)")
-  _check_weight(state, leaves, weight, name)
+  leaves = _check_inputs(state, grads, weight, name)
   if checked and errors.is_traced(weight):
     w = jnp.asarray(weight, jnp.float32)
     checkify.check(
