@@ -234,6 +234,20 @@ def _reset(state: AccumState, next_loss_scale: jax.Array) -> AccumState:
                        windows=state.windows + 1, loss_scale=next_loss_scale)
 
 
+def keep_unless(consumed: jax.Array, reset: AccumState,
+                state: AccumState) -> AccumState:
+  """``reset``'s counters where ``consumed``, else ``state``'s; ``reset``'s
+  buffers either way.
+
+  How a finish leaves a window of zero total weight unchanged: its buffers
+  are all zero (see :mod:`weighted_accum.state`), so the fresh zeros are
+  its own buffers, and only the counters need the select.
+  """
+  counters = jax.tree.map(lambda r, s: jnp.where(consumed, r, s),
+                          reset.replace(grads=None), state.replace(grads=None))
+  return counters.replace(grads=reset.grads)
+
+
 def _next_scale(state: AccumState, next_loss_scale: Any) -> jax.Array:
   if next_loss_scale is None:
     return state.loss_scale
@@ -298,11 +312,7 @@ def _finish_mean_kernel(state: AccumState, next_loss_scale: jax.Array | None):
                              loss_scale=state.loss_scale, issued=state.issued,
                              finite=finite, valid=finite & ok)
   reset = _reset(state, _next_scale(state, next_loss_scale))
-  # A zero-weight window keeps its counters; its buffers are all zero (see
-  # weighted_accum.state), so the fresh zeros leave it unchanged too.
-  new_state = jax.tree.map(lambda r, s: jnp.where(ok, r, s),
-                           reset.replace(grads=None), state.replace(grads=None))
-  return out, new_state.replace(grads=reset.grads)
+  return out, keep_unless(ok, reset, state)
 
 
 def finish_mean(state: AccumState, *, next_loss_scale: Any = None,

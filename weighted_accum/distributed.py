@@ -692,11 +692,7 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   local, reset = core.finish_sums(state, next_loss_scale=next_loss_scale)
   out = _reduce(local.grads, (state.weight_hi, state.weight_lo), state.issued,
                 state.loss_scale, axes, what)
-  ok = out.weight > 0
-  # A window of zero global weight keeps its counters (its buffers are zero).
-  counters = jax.tree.map(
-      lambda r, s: _like(jnp.where(ok, r, s), s, axes),
-      reset.replace(grads=None), state.replace(grads=None))
-  grads = jax.tree.map(lambda r, s: _like(r, s, axes), reset.grads,
-                       state.grads)
-  return out, counters.replace(grads=grads)
+  # A window of zero global weight keeps its counters (its buffers are zero);
+  # every leaf keeps the state's varying type (a lax.scan carry stays valid).
+  new_state = core.keep_unless(out.weight > 0, reset, state)
+  return out, jax.tree.map(lambda r, s: _like(r, s, axes), new_state, state)

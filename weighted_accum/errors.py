@@ -219,16 +219,22 @@ def match_tree(reference: Any, tree: Any, *, what: str,
   return leaves
 
 
+_GRADS_HINT = ("Gradients must be float32, bfloat16 or float16; exclude "
+               "integer leaves (e.g. with nnx.state(model, nnx.Param)).")
+
+
 def check_leaves_floating(paths_and_leaves: list[tuple[str, Any]], *,
-                          what: str) -> None:
-  """Raises naming the first leaf whose dtype is not floating."""
+                          what: str, hint: str = _GRADS_HINT) -> None:
+  """Raises naming the first leaf whose dtype is not floating.
+
+  Leaves may be arrays, Python/NumPy scalars or ``jax.ShapeDtypeStruct``s.
+  """
   for path, leaf in paths_and_leaves:
-    dt = jnp.result_type(leaf)
+    dt = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
     if not jnp.issubdtype(dt, jnp.floating):
       raise WeightedAccumulationError(
           f"{what}: leaf {path} has dtype {dt}, which is not floating point. "
-          "Gradients must be float32, bfloat16 or float16; exclude integer "
-          "leaves (e.g. with nnx.state(model, nnx.Param)).")
+          + hint)
 
 
 def leaf_paths(tree: Any) -> list[str]:

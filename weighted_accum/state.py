@@ -140,17 +140,6 @@ def _counters(issued=0, zero_weight=0, rejected=0, windows=0, weight_hi=0.0,
   )
 
 
-def _check_params(params: Any, *, what: str) -> None:
-  flat, _ = jax.tree_util.tree_flatten_with_path(params)
-  for path, p in flat:
-    dt = p.dtype if hasattr(p, "dtype") else jnp.result_type(p)
-    if not jnp.issubdtype(dt, jnp.floating):
-      raise WeightedAccumulationError(
-          f"{what}: param leaf {errors.path_str(path)} has dtype {dt}; only "
-          "floating params have gradients. Pass just the trainable leaves, "
-          "e.g. nnx.state(model, nnx.Param).")
-
-
 def init(params: Any, dtype: Any = jnp.float32,
          loss_scale: float | jax.Array = 1.0) -> AccumState:
   """Starts an empty window with zero buffers shaped like ``params``.
@@ -181,7 +170,11 @@ def init(params: Any, dtype: Any = jnp.float32,
   """
   dt = errors.check_floating_dtype(dtype, what="init(dtype=...)")
   errors.check_loss_scale(loss_scale, what="init(loss_scale=...)")
-  _check_params(params, what="init(params)")
+  errors.check_leaves_floating(
+      list(zip(errors.leaf_paths(params), jax.tree.leaves(params))),
+      what="init(params)",
+      hint="Only floating params have gradients: pass just the trainable "
+      "leaves, e.g. nnx.state(model, nnx.Param).")
   buffers = jax.tree.map(lambda p: zeros_like(p, dt), params)
   return AccumState(grads=buffers, dtype=dt,
                     **_counters(loss_scale=loss_scale))

@@ -371,9 +371,7 @@ def weighted_multi_steps(
       nonempty = out.weight > 0
       out = out.replace(valid=out.finite & nonempty)
       # As finish_mean: an empty window keeps its counters.
-      new_accum = jax.tree.map(lambda r, s: jnp.where(nonempty, r, s),
-                               reset.replace(grads=None),
-                               accum.replace(grads=None))
+      new_accum = core.keep_unless(nonempty, reset, accum)
 
       def apply_window(buffers, inner_state, params):
         # finish_mean's division, inside the branch, so that XLA fuses it
