@@ -171,9 +171,21 @@ def test_checkify_turns_traced_faults_into_errors(state):
   assert bool(out.valid)
 
 
-def test_traced_invalid_next_loss_scale_keeps_current(state):
+def test_traced_invalid_next_loss_scale_marks_next_window_unusable(state):
+  """Keeping the current scale would divide grads scaled by -1 by +1 (a sign
+  flip reported valid); the invalid scale is stored as NaN instead, the next
+  window's microbatches are rejected and counted, its finish is invalid, and
+  a valid next_loss_scale recovers."""
   _, new = jax.jit(wa.finish_mean)(state, next_loss_scale=jnp.float32(-1.0))
-  assert float(new.loss_scale) == 1.0
+  assert np.isnan(float(new.loss_scale))
+  new = jax.jit(wa.accumulate_sum)(new, _grads(-1.0), 2.0)
+  assert int(new.rejected) == 1 and new.total_weight == 0.0
+  out, new = jax.jit(wa.finish_mean)(new, next_loss_scale=jnp.float32(4.0))
+  assert not bool(out.valid)
+  assert float(new.loss_scale) == 4.0
+  with pytest.raises(wa.WeightedAccumulationError, match="loss scale is nan"):
+    wa.accumulate_sum(new.replace(loss_scale=jnp.float32(jnp.nan)), _grads(),
+                      1.0)
 
 
 @pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean])

@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from weighted_accum import _inputs
 from weighted_accum import errors
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
@@ -76,10 +77,6 @@ SUPPORTED_FORMAT_VERSIONS = (state_lib.FORMAT_VERSION,)
 
 _GRADS = "grads"
 _COUNTERS = "counters"
-_COUNTER_DTYPES = dict(issued=np.int32, zero_weight=np.int32,
-                       rejected=np.int32, windows=np.int32,
-                       weight_hi=np.float32, weight_lo=np.float32,
-                       loss_scale=np.float32)
 
 
 def abstract_state(params: Any, dtype: Any = jnp.float32) -> AccumState:
@@ -123,8 +120,38 @@ def _is_accum(x: Any) -> bool:
 
 
 def _key(path: tuple[str, ...]) -> str:
-  """The key of a node in the saved options (``''`` for the root)."""
-  return "/".join(path)
+  """The key of a node in the saved options (``''`` for the root).
+
+  Path entries are joined with ``/`` after JSON-pointer escaping (``~`` as
+  ``~0``, ``/`` as ``~1``), so that the dict keys ``'a/b'`` and
+  ``'a'``, ``'b'`` get distinct keys; keys without either character are
+  written as before.
+  """
+  return "/".join(str(k).replace("~", "~0").replace("/", "~1") for k in path)
+
+
+def _unkey(key: str) -> tuple[str, ...]:
+  if not key:
+    return ()
+  return tuple(k.replace("~1", "/").replace("~0", "~")
+               for k in key.split("/"))
+
+
+def _unwrap(x: Any) -> Any:
+  """The value of an ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``)."""
+  get = getattr(x, "get_value", None)
+  return get() if callable(get) else x
+
+
+def _rewrap(like: Any, value: Any) -> Any:
+  """``value`` in ``like``'s ``nnx.Variable`` wrapper, if it has one."""
+  if callable(getattr(like, "get_value", None)) and hasattr(like, "replace"):
+    return like.replace(value)
+  return value
+
+
+def _plain_counters(s: AccumState) -> dict[str, Any]:
+  return {k: _unwrap(v) for k, v in s.counters.items()}
 
 
 def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
@@ -152,7 +179,8 @@ def _host_counters(s: AccumState) -> dict[str, np.ndarray]:
       raise WeightedAccumulationError(
           f"AccumSave: counter {name!r} is a traced value; save concrete "
           "state outside jit.")
-    out[name] = np.array(value, _COUNTER_DTYPES[name])
+    out[name] = np.array(_unwrap(value),
+                         state_lib.counter_dtype(name, s.dtype))
   return out
 
 
@@ -336,7 +364,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     saved_states = self._check_options(meta.custom_metadata, where)
     want = _accum_nodes(template)
     self._check_states(want, saved_states, where)
-    target = _split(template, lambda s: s.counters)
+    target = _split(template, _plain_counters)
     flat_target = ocp.tree.to_flat_dict(target)
     shown = dict(zip(flat_target, errors.leaf_paths(target)))
     flat_meta = ocp.tree.to_flat_dict(meta.tree)
@@ -423,8 +451,11 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
             f"{where}: the template has an AccumState at {shown}, but the "
             "checkpoint has none there. Restore with a template of the "
             "structure that was saved.")
-      saved_dtype = saved[key]["dtype"]
-      if jnp.dtype(saved_dtype) != jnp.dtype(s.dtype):
+      saved_dtype = _inputs.work_dtype(
+          saved[key]["dtype"],
+          what=f"{where}: option 'dtype' of the AccumState at {shown} (the "
+          "checkpoint's metadata is corrupt, or needs jax_enable_x64)")
+      if saved_dtype != jnp.dtype(s.dtype):
         raise WeightedAccumulationError(
             f"{where}: option 'dtype' of the AccumState at {shown} is "
             f"{saved_dtype}, but the template's work dtype is "
@@ -435,7 +466,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     if extra:
       raise WeightedAccumulationError(
           f"{where}: the checkpoint has an AccumState at "
-          f"{_show(tuple(extra[0].split('/')) if extra[0] else ())}, but the "
+          f"{_show(_unkey(extra[0]))}, but the "
           "template has none there. Restore with a template of the "
           "structure that was saved.")
 
@@ -487,7 +518,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         continue
       here = f"{where}: AccumState at {errors.path_str(path)}"
       counters = state_lib.validate_counters(r[_COUNTERS],
-                                             what=f"{here}, counters")
+                                             what=f"{here}, counters",
+                                             work_dtype=t.dtype)
       try:
         s = state_lib.from_buffers(r[_GRADS], r[_GRADS], counters)
       except WeightedAccumulationError as e:
@@ -497,14 +529,14 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       s = s.replace(dtype=jnp.dtype(t.dtype))
       placed = {}
       for name in state_lib.COUNTER_FIELDS:
-        like = getattr(t, name)
+        like = _unwrap(getattr(t, name))
         # An uncommitted template scalar (as from wa.init) stays uncommitted,
         # so that it may meet buffers on any mesh under jit.
         sharding = (None if _uncommitted(like)
                     else getattr(like, "sharding", None))
         value = getattr(s, name)
-        placed[name] = (value if sharding is None
-                        else jax.device_put(value, sharding))
+        placed[name] = _rewrap(getattr(t, name), (
+            value if sharding is None else jax.device_put(value, sharding)))
       out.append(s.replace(**placed))
     return treedef.unflatten(out)
 
@@ -518,7 +550,7 @@ def _role(key: tuple[str, ...], leaf: Any,
     if key[:n] == path and len(key) > n:
       if key[n] == _GRADS:
         return "buffer", np.dtype(s.dtype)
-      return "counter", np.dtype(_COUNTER_DTYPES[key[n + 1]])
+      return "counter", state_lib.counter_dtype(key[n + 1], s.dtype)
   if isinstance(leaf, (bool, int, float, complex)):
     # Python scalars: Orbax stores int as int64, float as float64.
     return "other", np.dtype(type(leaf))

@@ -11,12 +11,15 @@ its result into the donated buffers and starts the next window on fresh zeros.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
+import numpy as np
 
+from weighted_accum import _inputs
 from weighted_accum import errors
 from weighted_accum import tally
 from weighted_accum.errors import WeightedAccumulationError
@@ -36,18 +39,31 @@ def mean_contribution(g: jax.Array, weight: jax.Array,
   return (g.astype(dtype).astype(compute_dtype(dtype)) * weight).astype(dtype)
 
 
-def normalise(sums: Any, loss_scale: jax.Array,
-              weight: jax.Array) -> tuple[Any, jax.Array]:
-  """``(sums / loss_scale) / weight`` per leaf, and whether all are finite.
+def normalise(sums: Any, loss_scale: jax.Array, weight: jax.Array
+              ) -> tuple[Any, jax.Array, jax.Array]:
+  """``(sums / loss_scale) / weight`` per leaf, and two flags.
 
   Sequential division in at least float32, never by ``loss_scale * weight``
   (which can overflow float16); the result is in each leaf's dtype. Where
-  ``weight`` is not positive the grads are zeros; ``finite`` only says
-  whether every result value is finite (callers add ``weight > 0`` to
-  ``valid``).
+  ``weight`` is not positive the grads are zeros.
+
+  Returns:
+    ``(grads, finite, usable)``: ``finite`` says every PENDING sum is finite
+    (what a dynamic loss scaler reacts to: a mean that overflows float16
+    because ``weight * loss_scale < 1`` is no reason to lower the scale);
+    ``usable`` says the result is finite in its dtype, the weight positive
+    and the loss scale a usable one, so ``valid = finite & usable``. Both
+    come from one max-magnitude reduction of the sums: division by a
+    positive number and rounding are monotone, so the largest result is the
+    largest sum's.
+
   Shared by :func:`finish_mean` and :mod:`weighted_accum.distributed`.
   """
-  ok = weight > 0
+  # A global weight that overflowed (a psum of per-replica weights) must not
+  # give the zero grads of a division by inf, reported valid.
+  ok = (weight > 0) & jnp.isfinite(weight) & _inputs.scale_ok(loss_scale)
+  leaves = jax.tree.leaves(sums)
+  peaks = [_peak(b) for b in leaves]
 
   def divide(b):
     ct = compute_dtype(b.dtype)
@@ -55,30 +71,82 @@ def normalise(sums: Any, loss_scale: jax.Array,
     return jnp.where(ok, g, jnp.zeros((), ct)).astype(b.dtype)
 
   grads = jax.tree.map(divide, sums)
-  # Checked on the result (read after it is written in place): checking a
-  # donated input instead would force XLA to copy it first.
-  return grads, all_finite(grads)
+  fits = [jnp.isfinite(divide(p.astype(b.dtype))) | ~jnp.isfinite(p)
+          for p, b in zip(peaks, leaves)]
+  finite = _all(jnp.isfinite(p) for p in peaks)
+  return grads, finite, ok & _all(fits)
+
+
+def _peak(x: jax.Array) -> jax.Array:
+  """``max(|x|)`` in at least float32 (NaN if any is NaN; 0 if empty): one
+  fused read of ``x``, which XLA:CPU orders before an in-place write."""
+  ct = compute_dtype(x.dtype)
+  return jnp.max(jnp.abs(x.astype(ct)), initial=jnp.zeros((), ct))
+
+
+def _all(flags: Any) -> jax.Array:
+  flags = list(flags)
+  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
 
 
 def _check_inputs(state: AccumState, grads: Any, weight: Any,
-                  name: str) -> list[Any]:
-  """Structural checks of one microbatch; returns the grads' leaves."""
+                  name: str) -> tuple[list[Any], _inputs.Weight]:
+  """Structural checks of one microbatch; returns the grads' leaves and the
+  weight converted to the state's tally dtype."""
   leaves = errors.match_tree(state.grads, grads, what=f"{name}(grads)")
   named = list(zip(errors.leaf_paths(state.grads), leaves))
   errors.check_leaves_floating(named, what=f"{name}(grads)")
-  errors.check_weight(weight, what=f"{name}(weight)")
+  w = errors.check_weight(weight, what=f"{name}(weight)",
+                          tally=state.weight_hi.dtype)
   errors.check_not_reduced_against_weight(named, weight,
                                           what=f"{name}(grads)")
-  return leaves
+  check_room(state, w, name)
+  return leaves, w
+
+
+def check_room(state: AccumState, w: _inputs.Weight, name: str) -> None:
+  """Eagerly refuses a microbatch the state cannot record (the jitted kernel
+  rejects it instead): a poisoned loss scale, a full ``issued`` counter, or a
+  total weight that would overflow the tally."""
+  values = (state.loss_scale, state.issued, state.weight_hi, state.weight_lo,
+            w.hi, w.lo)
+  if any(errors.is_traced(v) for v in values):
+    return
+  ls = float(np.asarray(state.loss_scale))
+  if not (math.isfinite(ls) and ls > 0):
+    raise WeightedAccumulationError(
+        f"{name}(state): the window's loss scale is {ls!r} (an invalid traced "
+        "loss scale was given to init or as next_loss_scale), so its "
+        "microbatches cannot be used. Start a window with a valid "
+        "next_loss_scale (finish_sums(state, next_loss_scale=...)).")
+  if int(state.issued) >= _inputs.INT32_MAX:
+    raise WeightedAccumulationError(
+        f"{name}(state): 'issued' is {int(state.issued)}, the most an int32 "
+        "counter holds. Finish the window first.")
+  total = state.total_weight + float(w.hi) + float(w.lo)
+  if total > float(np.finfo(state.weight_hi.dtype).max):
+    raise WeightedAccumulationError(
+        f"{name}(weight): the window's total weight would become {total!r}, "
+        f"beyond the {state.weight_hi.dtype} tally's range. Finish the window "
+        "first, or scale all weights down by a common factor.")
 
 
 @functools.partial(jax.jit, static_argnames=("mean",))
-def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
-                       mean: bool) -> AccumState:
-  w = jnp.asarray(weight, jnp.float32)
-  valid = jnp.isfinite(w) & (w >= 0)
-  take = valid & (w > 0)
+def _accumulate_kernel(state: AccumState, leaves: list[Any],
+                       weight: _inputs.Weight, mean: bool) -> AccumState:
+  hi, lo = tally.two_sum_add(state.weight_hi, state.weight_lo, weight.hi)
+  hi, lo = tally.two_sum_add(hi, lo, weight.lo)
+  # Rejected whole (and counted): an invalid weight, a window whose loss scale
+  # is unusable, a total the tally cannot hold, a full counter.
+  room = state.issued < _inputs.INT32_MAX
+  valid = (weight.ok & _inputs.scale_ok(state.loss_scale) & jnp.isfinite(hi)
+           & room)
+  # weight.hi is zero or a normal number (subnormals were refused): the
+  # comparison is the same in every fusion.
+  take = valid & (weight.hi > 0)
   dt = state.dtype
+  w = (weight.hi.astype(compute_dtype(dt)) + weight.lo.astype(
+      compute_dtype(dt)))
 
   def update(buf, g):
     # Convert first (DESIGN §2), then scale.
@@ -91,30 +159,29 @@ def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
   buf_leaves, treedef = jax.tree.flatten(state.grads)
   new_buffers = jax.tree.unflatten(
       treedef, [update(b, g) for b, g in zip(buf_leaves, leaves)])
-  hi, lo = tally.two_sum_add(state.weight_hi, state.weight_lo,
-                             jnp.where(take, w, 0.0))
   one = jnp.int32(1)
   return state.replace(
       grads=new_buffers,
-      issued=state.issued + one,
-      zero_weight=state.zero_weight + jnp.where(valid & (w == 0), one, 0),
-      rejected=state.rejected + jnp.where(valid, 0, one),
-      weight_hi=hi,
-      weight_lo=lo,
+      issued=state.issued + jnp.where(room, one, 0),
+      zero_weight=state.zero_weight + jnp.where(valid & ~take, one, 0),
+      rejected=state.rejected + jnp.where(valid | ~room, 0, one),
+      weight_hi=jnp.where(take, hi, state.weight_hi),
+      weight_lo=jnp.where(take, lo, state.weight_lo),
   )
 
 
 def _accumulate(state: AccumState, grads: Any, weight: Any, *, mean: bool,
                 checked: bool, name: str) -> AccumState:
-  leaves = _check_inputs(state, grads, weight, name)
+  checked = _inputs.static_flag(checked, what=f"{name}(checked=...)")
+  leaves, w = _check_inputs(state, grads, weight, name)
   if checked and errors.is_traced(weight):
-    w = jnp.asarray(weight, jnp.float32)
     checkify.check(
-        jnp.isfinite(w) & (w >= 0),
-        name + ": weight {w} is not a finite non-negative item count; the "
-        "microbatch was rejected (state.rejected counts it).", w=w)
+        w.ok,
+        name + ": weight {w} is not a finite non-negative item count the "
+        "weight tally holds; the microbatch was rejected (state.rejected "
+        "counts it).", w=jnp.asarray(weight).astype(jnp.float32))
   return _accumulate_kernel(state, _on_buffer_shardings(state, leaves),
-                            weight, mean=mean)
+                            w, mean=mean)
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
@@ -214,17 +281,12 @@ def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
 def all_finite(tree: Any) -> jax.Array:
   """True when every value of ``tree`` is finite: one reduction per leaf.
 
-  ``isfinite(sum(x))`` instead of ``all(isfinite(x))``: XLA:CPU fuses a plain
-  sum into one read of ``x``, while the boolean form materialises a
-  parameter-sized temporary. NaN and Inf propagate into the sum, so it is
-  exact, but for a sum of finite values that overflows float32 (far beyond
-  any real gradient), which reads as "not finite", the safe side.
+  ``isfinite(max(|x|))`` instead of ``all(isfinite(x))``: XLA:CPU fuses a
+  plain reduction into one read of ``x``, while the boolean form
+  materialises a parameter-sized temporary. NaN and Inf propagate into the
+  maximum, and unlike a sum it cannot overflow, so it is exact.
   """
-  sums = [jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
-          for x in jax.tree.leaves(tree)]
-  if not sums:
-    return jnp.bool_(True)
-  return jnp.all(jnp.isfinite(jnp.stack(sums)))
+  return _all(jnp.isfinite(_peak(x)) for x in jax.tree.leaves(tree))
 
 
 def _reset(state: AccumState, next_loss_scale: jax.Array) -> AccumState:
@@ -245,15 +307,29 @@ def keep_unless(consumed: jax.Array, reset: AccumState,
   """
   counters = jax.tree.map(lambda r, s: jnp.where(consumed, r, s),
                           reset.replace(grads=None), state.replace(grads=None))
-  return counters.replace(grads=reset.grads)
+  # The next loss scale applies either way: a kept window holds no scaled
+  # value (its buffers are zero), and dropping the scale would leave the
+  # caller's next microbatches divided by the wrong factor.
+  return counters.replace(grads=reset.grads, loss_scale=reset.loss_scale)
 
 
 def _next_scale(state: AccumState, next_loss_scale: Any) -> jax.Array:
   if next_loss_scale is None:
     return state.loss_scale
-  ls = jnp.asarray(next_loss_scale, jnp.float32)
-  # A traced invalid scale cannot raise: keep the current one instead.
-  return jnp.where(jnp.isfinite(ls) & (ls > 0), ls, state.loss_scale)
+  # Converted by next_loss_scale_of(): a traced invalid scale is NaN, which
+  # marks the next window unusable (its microbatches are rejected and its
+  # finish is invalid). Keeping the current scale instead would divide the
+  # next window's grads, scaled by the caller's (invalid) factor, by another
+  # one: a sign flip for a negative scale, reported valid.
+  return jnp.asarray(next_loss_scale, state.loss_scale.dtype)
+
+
+def next_loss_scale_of(state: AccumState, value: Any, what: str) -> Any:
+  """The converted ``next_loss_scale`` of a finish (``None`` stays None)."""
+  if value is None:
+    return None
+  return _inputs.loss_scale(value, what=f"{what}(next_loss_scale=...)",
+                            dtype=state.loss_scale.dtype)
 
 
 @jax.jit
@@ -263,7 +339,7 @@ def _finish_sums_kernel(state: AccumState, next_loss_scale: jax.Array | None):
       grads=state.grads,
       weight=tally.join_traced(state.weight_hi, state.weight_lo),
       loss_scale=state.loss_scale, issued=state.issued, finite=finite,
-      valid=finite)
+      valid=finite & _inputs.scale_ok(state.loss_scale))
   return out, _reset(state, _next_scale(state, next_loss_scale))
 
 
@@ -297,9 +373,7 @@ def finish_sums(state: AccumState, *, next_loss_scale: Any = None
     >>> (out.grads['w'] / out.loss_scale / out.weight).item(), int(state.issued)
     (1.0, 0)
   """
-  if next_loss_scale is not None:
-    errors.check_loss_scale(next_loss_scale,
-                            what="finish_sums(next_loss_scale=...)")
+  next_loss_scale = next_loss_scale_of(state, next_loss_scale, "finish_sums")
   return _finish_sums_kernel(state, next_loss_scale)
 
 
@@ -307,10 +381,10 @@ def finish_sums(state: AccumState, *, next_loss_scale: Any = None
 def _finish_mean_kernel(state: AccumState, next_loss_scale: jax.Array | None):
   weight = tally.join_traced(state.weight_hi, state.weight_lo)
   ok = weight > 0
-  grads, finite = normalise(state.grads, state.loss_scale, weight)
+  grads, finite, usable = normalise(state.grads, state.loss_scale, weight)
   out = AccumulatedGradients(grads=grads, weight=weight,
                              loss_scale=state.loss_scale, issued=state.issued,
-                             finite=finite, valid=finite & ok)
+                             finite=finite, valid=finite & usable)
   reset = _reset(state, _next_scale(state, next_loss_scale))
   return out, keep_unless(ok, reset, state)
 
@@ -350,9 +424,8 @@ def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
     >>> round(out.grads['w'].item(), 5), bool(out.valid)
     (0.001, True)
   """
-  if next_loss_scale is not None:
-    errors.check_loss_scale(next_loss_scale,
-                            what="finish_mean(next_loss_scale=...)")
+  next_loss_scale = next_loss_scale_of(state, next_loss_scale, "finish_mean")
+  checked = _inputs.static_flag(checked, what="finish_mean(checked=...)")
   issued = errors.concrete_float(state.issued)
   if issued is not None and errors.concrete_float(state.weight_hi) is not None:
     total = state.total_weight

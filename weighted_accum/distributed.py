@@ -64,6 +64,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from weighted_accum import _inputs
 from weighted_accum import core
 from weighted_accum import errors
 from weighted_accum import state as state_lib
@@ -85,11 +86,7 @@ __all__ = [
 
 def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
   """Normalises ``axis_name`` to a tuple and checks every axis is bound."""
-  axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  if not axes or not all(isinstance(a, str) for a in axes):
-    raise WeightedAccumulationError(
-        f"{what}: axis_name={axis_name!r} is not a mesh axis name; pass the "
-        "data-parallel axis, e.g. 'data', or a tuple such as ('data', 'fsdp').")
+  axes = _inputs.axis_names(axis_name, what=what)
   for a in axes:
     try:
       jax.lax.axis_size(a)
@@ -372,7 +369,9 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   paths = errors.leaf_paths(state.grads)
   errors.check_leaves_floating(list(zip(paths, leaves)),
                                what=f"{what}(grads)")
-  errors.check_weight(weight, what=f"{what}(weight)")
+  checked = _inputs.static_flag(checked, what=f"{what}(checked=...)")
+  wt = errors.check_weight(weight, what=f"{what}(weight)",
+                           tally=state.weight_hi.dtype)
   vma_on = _vma_checked(axes)
   if reduce == "microbatch" and vma_on:
     varying = [p for p, b in zip(paths, jax.tree.leaves(state.grads))
@@ -390,9 +389,10 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
 
   _, treedef = jax.tree.flatten(state.grads)
   dt = state.dtype
-  w = jnp.asarray(weight, jnp.float32)
-  bad = ~(jnp.isfinite(w) & (w >= 0))
-  w_ok = jnp.where(bad, 0.0, w)
+  # The converted weight (zero where invalid: a subnormal or out-of-range
+  # weight is refused by the same rules as the core's).
+  bad = ~jnp.asarray(wt.ok)
+  w_ok = jnp.asarray(wt.hi) + jnp.asarray(wt.lo)
   if reduced and mean:
     if set(axes) & errors.varying_axes(weight):
       raise WeightedAccumulationError(
@@ -556,7 +556,7 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
     if ax:
       groups.setdefault(ax, []).append(i)
   # Weights and the count are per replica by contract: always summed.
-  scalars = [jnp.asarray(p, jnp.float32) for p in weight_parts]
+  scalars = [jnp.asarray(p) for p in weight_parts]
   scalars.append(jnp.asarray(issued, jnp.float32))  # exact below 2**24
   full = groups.pop(axes, [])
   red, scalars = jax.lax.psum(([leaves[i] for i in full], scalars), axes)
@@ -569,12 +569,12 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
   weight = sum(scalars[:-1][1:], scalars[0])
   # From all-reduced (hence identical) values only, so every replica reports
   # the same flags.
-  grads, finite = core.normalise(jax.tree.unflatten(treedef, out),
-                                 jnp.asarray(loss_scale, jnp.float32), weight)
+  grads, finite, usable = core.normalise(
+      jax.tree.unflatten(treedef, out), jnp.asarray(loss_scale), weight)
   return AccumulatedGradients(
       grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
       issued=scalars[-1].astype(jnp.int32), finite=finite,
-      valid=finite & (weight > 0))
+      valid=finite & usable)
 
 
 def reduce_sums(out: AccumulatedGradients,

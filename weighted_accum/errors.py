@@ -14,7 +14,6 @@ Two kinds of fault are told apart (DESIGN.md §3):
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -100,60 +99,30 @@ def path_str(path: tuple) -> str:
 
 
 def check_floating_dtype(dtype: Any, *, what: str) -> jnp.dtype:
-  """Returns ``dtype`` canonicalised, or raises if it is not a usable float."""
-  try:
-    dt = jnp.dtype(dtype)
-  except TypeError as e:
-    raise WeightedAccumulationError(
-        f"{what}: {dtype!r} is not a dtype. Pass a floating dtype such as "
-        "jnp.float32, jnp.bfloat16 or jnp.float16.") from e
-  if not jnp.issubdtype(dt, jnp.floating):
-    raise WeightedAccumulationError(
-        f"{what}: dtype {dt} is not floating point; gradient sums need a "
-        "floating work dtype. Pass jnp.float32 (recommended), jnp.bfloat16 or "
-        "jnp.float16.")
-  if dt.itemsize == 8 and not jax.config.jax_enable_x64:
-    raise WeightedAccumulationError(
-        f"{what}: dtype {dt} needs jax_enable_x64, which is off, so JAX would "
-        "silently use float32. Enable it with "
-        "jax.config.update('jax_enable_x64', True) or pass jnp.float32.")
-  return dt
+  """Returns ``dtype`` canonicalised, or raises if it is not a usable float.
+
+  The one dtype path (:func:`weighted_accum._inputs.work_dtype`).
+  """
+  from weighted_accum import _inputs  # pylint: disable=g-import-not-at-top
+  return _inputs.work_dtype(dtype, what=what)
 
 
-def check_loss_scale(loss_scale: Any, *, what: str = "loss_scale") -> None:
-  """Raises if a concrete loss scale is not a finite positive scalar."""
-  if np.ndim(loss_scale) != 0:
-    raise WeightedAccumulationError(
-        f"{what}: expected a scalar, got shape {np.shape(loss_scale)}. Pass "
-        "one number for the whole window.")
-  value = concrete_float(loss_scale)
-  if value is not None and not (math.isfinite(value) and value > 0):
-    raise WeightedAccumulationError(
-        f"{what}: {value!r} is not a finite positive number. The loss scale "
-        "multiplies every loss of the window and is divided out once at "
-        "finish; pass e.g. 1.0, or 2.0**15 for float16 training.")
+def check_loss_scale(loss_scale: Any, *, what: str = "loss_scale",
+                     dtype: Any = np.float32) -> Any:
+  """Converts a loss scale to its stored dtype, raising if a concrete one is
+  not a finite positive normal number there (a traced invalid one becomes
+  NaN: see :func:`weighted_accum._inputs.loss_scale`)."""
+  from weighted_accum import _inputs  # pylint: disable=g-import-not-at-top
+  return _inputs.loss_scale(loss_scale, what=what, dtype=dtype)
 
 
-def check_weight(weight: Any, *, what: str = "weight") -> None:
-  """Raises for a non-scalar weight, and for a concrete invalid one."""
-  if np.ndim(weight) != 0:
-    raise WeightedAccumulationError(
-        f"{what}: expected a scalar effective item count, got shape "
-        f"{np.shape(weight)}. Pass e.g. mask.sum() for the microbatch.")
-  dt = jnp.result_type(weight)
-  if not (jnp.issubdtype(dt, jnp.floating) or jnp.issubdtype(dt, jnp.integer)
-          or jnp.issubdtype(dt, jnp.bool_)):
-    raise WeightedAccumulationError(
-        f"{what}: dtype {dt} is not a real number. Pass the microbatch's "
-        "token or sample count.")
-  value = concrete_float(weight)
-  # The tally keeps weights in float32: a larger value would become Inf there.
-  if value is not None and not (math.isfinite(value) and value >= 0 and
-                                value <= float(np.finfo(np.float32).max)):
-    raise WeightedAccumulationError(
-        f"{what}: {value!r} is not a finite non-negative float32 number. The "
-        "weight is the microbatch's effective item count (tokens, samples); "
-        "use 0 for a fully masked microbatch. The state was left unchanged.")
+def check_weight(weight: Any, *, what: str = "weight",
+                 tally: Any = np.float32) -> Any:
+  """Converts a weight to the tally dtype (``_inputs.Weight``), raising for a
+  non-scalar or non-real weight and for a concrete one the tally cannot hold
+  exactly (see :func:`weighted_accum._inputs.weight`)."""
+  from weighted_accum import _inputs  # pylint: disable=g-import-not-at-top
+  return _inputs.weight(weight, what=what, tally=tally)
 
 
 def _flat(tree: Any) -> list[tuple[str, Any]]:

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum import _inputs
 from weighted_accum import errors
 from weighted_accum import tally
 from weighted_accum.errors import WeightedAccumulationError
@@ -124,20 +125,31 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
     return jnp.zeros(x.shape, dtype, device=x.sharding)
   if errors.is_traced(x):
     return jnp.where(jnp.zeros_like(x, dtype=bool), x, 0).astype(dtype)
+  # A jax.ShapeDtypeStruct (the jax.eval_shape way to describe a large
+  # model) may carry the sharding to build on.
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return jnp.zeros(np.shape(x), dtype, device=sharding)
   return jnp.zeros(np.shape(x), dtype)
 
 
+def counter_dtype(name: str, work_dtype: Any) -> np.dtype:
+  """The stored dtype of counter ``name`` for a work dtype: int32 counts;
+  the weight tally and the loss scale in float32, or float64 for a float64
+  work dtype (so float64 weights stay float64)."""
+  if name in _INT_COUNTERS:
+    return np.dtype(np.int32)
+  return _inputs.tally_dtype(work_dtype)
+
+
 def _counters(issued=0, zero_weight=0, rejected=0, windows=0, weight_hi=0.0,
-              weight_lo=0.0, loss_scale=1.0) -> dict[str, jax.Array]:
-  return dict(
-      issued=jnp.asarray(issued, jnp.int32),
-      zero_weight=jnp.asarray(zero_weight, jnp.int32),
-      rejected=jnp.asarray(rejected, jnp.int32),
-      windows=jnp.asarray(windows, jnp.int32),
-      weight_hi=jnp.asarray(weight_hi, jnp.float32),
-      weight_lo=jnp.asarray(weight_lo, jnp.float32),
-      loss_scale=jnp.asarray(loss_scale, jnp.float32),
-  )
+              weight_lo=0.0, loss_scale=1.0, *,
+              work_dtype: Any = jnp.float32) -> dict[str, jax.Array]:
+  values = dict(issued=issued, zero_weight=zero_weight, rejected=rejected,
+                windows=windows, weight_hi=weight_hi, weight_lo=weight_lo,
+                loss_scale=loss_scale)
+  return {k: jnp.asarray(v, counter_dtype(k, work_dtype))
+          for k, v in values.items()}
 
 
 def init(params: Any, dtype: Any = jnp.float32,
@@ -169,7 +181,8 @@ def init(params: Any, dtype: Any = jnp.float32,
     ((2, 3), 0)
   """
   dt = errors.check_floating_dtype(dtype, what="init(dtype=...)")
-  errors.check_loss_scale(loss_scale, what="init(loss_scale=...)")
+  ls = errors.check_loss_scale(loss_scale, what="init(loss_scale=...)",
+                               dtype=_inputs.tally_dtype(dt))
   errors.check_leaves_floating(
       list(zip(errors.leaf_paths(params), jax.tree.leaves(params))),
       what="init(params)",
@@ -177,75 +190,51 @@ def init(params: Any, dtype: Any = jnp.float32,
       "leaves, e.g. nnx.state(model, nnx.Param).")
   buffers = jax.tree.map(lambda p: zeros_like(p, dt), params)
   return AccumState(grads=buffers, dtype=dt,
-                    **_counters(loss_scale=loss_scale))
+                    **_counters(loss_scale=ls, work_dtype=dt))
 
 
 def _concrete_counter(counters: Mapping[str, Any], name: str,
-                      default: Any) -> Any:
+                      default: Any, what: str) -> Any:
   value = counters.get(name, default)
-  if np.ndim(value) != 0:
-    raise WeightedAccumulationError(
-        f"from_buffers(counters): counter {name!r} has shape "
-        f"{np.shape(value)}, expected a scalar. Pass the values of "
-        "state.counters.")
   if errors.is_traced(value):
     raise WeightedAccumulationError(
-        f"from_buffers(counters): counter {name!r} is a traced value; "
-        "from_buffers validates concrete restored values, so call it outside "
-        "jit.")
-  return np.asarray(value).item()
+        f"{what}: counter {name!r} is a traced value; from_buffers validates "
+        "concrete restored values, so call it outside jit.")
+  return value
 
 
 def validate_counters(counters: Mapping[str, Any], *,
-                      what: str = "from_buffers(counters)") -> dict[str, Any]:
-  """Checks saved counters and returns them as Python numbers.
+                      what: str = "from_buffers(counters)",
+                      work_dtype: Any = jnp.float32) -> dict[str, Any]:
+  """Checks saved counters and returns them as the values to store.
 
   Accepts the keys of :attr:`AccumState.counters`; ``total_weight`` may stand
   in for ``weight_hi``/``weight_lo``. Missing counts default to 0 and a
-  missing loss scale to 1.
+  missing loss scale to 1. Each value is converted to its stored dtype
+  (:func:`counter_dtype`) and validated after the conversion.
 
   Raises:
     WeightedAccumulationError: naming the first invalid or unknown counter.
   """
+  if not isinstance(counters, Mapping):
+    raise WeightedAccumulationError(
+        f"{what}: expected a mapping of counters (state.counters), got "
+        f"{type(counters).__name__}.")
   known = set(COUNTER_FIELDS) | {"total_weight"}
-  unknown = sorted(set(counters) - known)
+  unknown = sorted(map(str, set(counters) - known))
   if unknown:
     raise WeightedAccumulationError(
         f"{what}: unknown counter {unknown[0]!r}; expected keys among "
         f"{sorted(known)}.")
-  out: dict[str, Any] = {}
-  for name in _INT_COUNTERS:
-    v = _concrete_counter(counters, name, 0)
-    if isinstance(v, float):
-      if not (math.isfinite(v) and v == int(v)):
-        raise WeightedAccumulationError(
-            f"{what}: counter {name!r} is {v!r}, not a whole number.")
-      v = int(v)
-    if not isinstance(v, int) or v < 0 or v >= 2**31:
-      raise WeightedAccumulationError(
-          f"{what}: counter {name!r} is {v!r}; it must be a whole number in "
-          "[0, 2**31). The checkpoint is corrupt or not an accumulator's.")
-    out[name] = v
-  if "total_weight" in counters:
-    if "weight_hi" in counters or "weight_lo" in counters:
-      raise WeightedAccumulationError(
-          f"{what}: give either 'total_weight' or 'weight_hi'/'weight_lo', "
-          "not both.")
-    tw = float(_concrete_counter(counters, "total_weight", 0.0))
-    hi, lo = tally.split(tw) if math.isfinite(tw) else (tw, 0.0)
-  else:
-    hi = float(_concrete_counter(counters, "weight_hi", 0.0))
-    lo = float(_concrete_counter(counters, "weight_lo", 0.0))
+  out: dict[str, Any] = {
+      name: _inputs.count(_concrete_counter(counters, name, 0, what),
+                          what=what, name=name)
+      for name in _INT_COUNTERS}
+  td = _inputs.tally_dtype(work_dtype)
+  hi, lo = _tally_counters(counters, what, td)
   total = float(hi) + float(lo)
-  if not (math.isfinite(total) and total >= 0):
-    raise WeightedAccumulationError(
-        f"{what}: counter 'total_weight' is {total!r}; a window's weight is a "
-        "finite non-negative sum of item counts. The checkpoint is corrupt.")
-  ls = float(_concrete_counter(counters, "loss_scale", 1.0))
-  if not (math.isfinite(ls) and ls > 0):
-    raise WeightedAccumulationError(
-        f"{what}: counter 'loss_scale' is {ls!r}; it must be finite and "
-        "positive. The checkpoint is corrupt.")
+  ls = _inputs.loss_scale(_concrete_counter(counters, "loss_scale", 1.0, what),
+                          what=f"{what}: counter 'loss_scale'", dtype=td)
   if out["zero_weight"] + out["rejected"] > out["issued"]:
     raise WeightedAccumulationError(
         f"{what}: counters 'zero_weight' ({out['zero_weight']}) + 'rejected' "
@@ -259,9 +248,59 @@ def validate_counters(counters: Mapping[str, Any], *,
   return out
 
 
+def _tally_counters(counters: Mapping[str, Any], what: str,
+                    td: np.dtype) -> tuple[Any, Any]:
+  """The (hi, lo) tally from ``total_weight`` or the saved pair, validated
+  as stored: a finite non-negative total whose parts the tally holds."""
+  if "total_weight" in counters:
+    if "weight_hi" in counters or "weight_lo" in counters:
+      raise WeightedAccumulationError(
+          f"{what}: give either 'total_weight' or 'weight_hi'/'weight_lo', "
+          "not both.")
+    w = _inputs.weight(_concrete_counter(counters, "total_weight", 0, what),
+                       what=f"{what}: counter 'total_weight'", tally=td)
+    return w.hi, w.lo
+  parts = []
+  for name in ("weight_hi", "weight_lo"):
+    v = _inputs.host_number(_concrete_counter(counters, name, 0.0, what),
+                            what=f"{what}: counter {name!r}",
+                            noun="a part of the window's total weight")
+    stored = td.type(v) if math.isfinite(v) else v
+    if math.isfinite(v) and (not np.isfinite(stored) or float(stored) != v):
+      raise WeightedAccumulationError(
+          f"{what}: counter {name!r} is {v!r}, which is not a finite {td} "
+          "value (the tally stores it as one). The checkpoint is corrupt.")
+    parts.append(stored)
+  hi, lo = parts
+  total = float(hi) + float(lo)
+  if not (math.isfinite(total) and total >= 0 and hi >= 0
+          and abs(float(lo)) <= abs(float(hi))):
+    raise WeightedAccumulationError(
+        f"{what}: counter 'total_weight' is {total!r} (weight_hi={hi!r}, "
+        f"weight_lo={lo!r}); a window's weight is a finite non-negative sum "
+        "of item counts. The checkpoint is corrupt.")
+  return hi, lo
+
+
+def _param_sharding(param: Any) -> jax.sharding.Sharding | None:
+  """Where a param lives: a concrete array's sharding, or the sharding a
+  ``jax.ShapeDtypeStruct`` carries (None for tracers and host values)."""
+  if errors.is_traced(param):
+    return None
+  sharding = getattr(param, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _leaf_dtype(leaf: Any) -> np.dtype:
+  """A buffer's own dtype (a NumPy float64 buffer is float64, not the
+  float32 that JAX would silently make of it without x64)."""
+  dt = getattr(leaf, "dtype", None)
+  return np.dtype(dt) if dt is not None else np.dtype(jnp.result_type(leaf))
+
+
 def _place(buf: Any, param: Any, path: str, dtype: jnp.dtype) -> jax.Array:
-  if isinstance(param, jax.Array) and not errors.is_traced(param):
-    target = param.sharding
+  target = _param_sharding(param)
+  if target is not None:
     if isinstance(buf, jax.Array):
       if not buf.sharding.is_equivalent_to(target, buf.ndim):
         raise WeightedAccumulationError(
@@ -308,11 +347,11 @@ def from_buffers(params: Any, buffers: Any,
   leaves = errors.match_tree(params, buffers, what="from_buffers(buffers)",
                              ref_name="params")
   paths = errors.leaf_paths(params)
-  dtypes = {jnp.result_type(b) for b in leaves}
+  dtypes = {_leaf_dtype(b) for b in leaves}
   errors.check_leaves_floating(list(zip(paths, leaves)),
                                what="from_buffers(buffers)")
   if len(dtypes) > 1:
-    first = paths[[jnp.result_type(b) for b in leaves].index(
+    first = paths[[_leaf_dtype(b) for b in leaves].index(
         sorted(dtypes, key=str)[-1])]
     raise WeightedAccumulationError(
         f"from_buffers(buffers): buffers mix dtypes {sorted(map(str, dtypes))}"
@@ -320,17 +359,17 @@ def from_buffers(params: Any, buffers: Any,
         "every buffer in the dtype it was saved in.")
   dtype = errors.check_floating_dtype(
       dtypes.pop() if dtypes else jnp.float32, what="from_buffers(buffers)")
-  c = validate_counters(counters)
+  c = validate_counters(counters, work_dtype=dtype)
   p_leaves, treedef = jax.tree.flatten(params)
   placed = [_place(b, p, path, dtype)
             for b, p, path in zip(leaves, p_leaves, paths)]
   if c["weight_hi"] + c["weight_lo"] == 0:
     for path, b in zip(paths, placed):
-      if bool(jnp.any(b != 0)):
+      if bool(jnp.any(_inputs.nonzero(b))):
         raise WeightedAccumulationError(
             f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
             "say the window's total weight is 0 (only positive-weight "
             "microbatches add to the buffers). Buffers and counters come from "
             "different saves: restore them together.")
   return AccumState(grads=jax.tree.unflatten(treedef, placed), dtype=dtype,
-                    **_counters(**c))
+                    **_counters(**c, work_dtype=dtype))

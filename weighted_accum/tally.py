@@ -51,12 +51,13 @@ def split(value: Any) -> tuple[np.float32, np.float32]:
 
 
 def join(hi: Any, lo: Any) -> float:
-  """The exact value of a concrete pair, as a Python float (float64)."""
-  return float(np.float64(np.asarray(hi, np.float32)) +
-               np.float64(np.asarray(lo, np.float32)))
+  """The value of a concrete pair as a Python float (float64): exact for a
+  float32 pair, rounded to float64 for a float64 one."""
+  return float(np.float64(np.asarray(hi)) + np.float64(np.asarray(lo)))
 
 
 def join_traced(hi: jax.Array, lo: jax.Array) -> jax.Array:
-  """The pair rounded to a float32 array (usable under ``jit``)."""
-  return jnp.asarray(hi, jnp.float32) + jnp.asarray(lo, jnp.float32)
+  """The pair rounded to its own dtype (float32, or float64 for a float64
+  work dtype; usable under ``jit``)."""
+  return jnp.asarray(hi) + jnp.asarray(lo)
 

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from weighted_accum import _inputs
 from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
@@ -171,16 +172,9 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
 def _check_every_k(every_k: Any) -> int | None:
   if every_k is None:
     return None
-  if isinstance(every_k, bool) or not isinstance(every_k, (int, np.integer)):
-    raise WeightedAccumulationError(
-        f"weighted_multi_steps(every_k=...): {every_k!r} is not an int. Pass "
-        "the number of microbatches per window (a Python int), or None to "
-        "close windows only with update(..., finish=True).")
-  if every_k < 1:
-    raise WeightedAccumulationError(
-        f"weighted_multi_steps(every_k=...): {every_k} is not positive. Pass "
-        "the number of microbatches per window (>= 1), or None.")
-  return int(every_k)
+  # Microbatches per window, at most what the int32 step counter holds; or
+  # None to close windows only with update(..., finish=True).
+  return _inputs.positive_int(every_k, what="weighted_multi_steps(every_k=...)")
 
 
 def _check_finish(finish: Any) -> jax.Array:
@@ -382,7 +376,7 @@ def weighted_multi_steps(
         # although the sums, whose finiteness ``valid`` checked, do not.
         wide = jax.tree.map(lambda b: b.astype(core.compute_dtype(b.dtype)),
                             buffers)
-        g, _ = core.normalise(wide, accum.loss_scale, out.weight)
+        g = core.normalise(wide, accum.loss_scale, out.weight)[0]
         upd, new_inner = apply(g, inner_state, params)
         return (to_carrier(upd, buffers) if carry else upd), new_inner
 
