@@ -17,12 +17,13 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 
+from weighted_accum import _counters
+from weighted_accum import _tree
 from weighted_accum import errors
 from weighted_accum import tally
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
-from weighted_accum.state import zeros_like
 
 
 def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
@@ -63,11 +64,11 @@ def normalise(sums: Any, loss_scale: jax.Array,
 def _check_inputs(state: AccumState, grads: Any, weight: Any,
                   name: str) -> list[Any]:
   """Structural checks of one microbatch; returns the grads' leaves."""
-  leaves = errors.match_tree(state.grads, grads, what=f"{name}(grads)")
-  named = list(zip(errors.leaf_paths(state.grads), leaves))
-  errors.check_leaves_floating(named, what=f"{name}(grads)")
+  leaves = _tree.match_tree(state.grads, grads, what=f"{name}(grads)")
+  named = list(zip(_tree.leaf_paths(state.grads), leaves))
+  _tree.check_leaves_floating(named, what=f"{name}(grads)")
   errors.check_weight(weight, what=f"{name}(weight)")
-  errors.check_not_reduced_against_weight(named, weight,
+  _tree.check_not_reduced_against_weight(named, weight,
                                           what=f"{name}(grads)")
   return leaves
 
@@ -107,7 +108,7 @@ def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
 def _accumulate(state: AccumState, grads: Any, weight: Any, *, mean: bool,
                 checked: bool, name: str) -> AccumState:
   leaves = _check_inputs(state, grads, weight, name)
-  if checked and errors.is_traced(weight):
+  if checked and _tree.is_traced(weight):
     w = jnp.asarray(weight, jnp.float32)
     checkify.check(
         jnp.isfinite(w) & (w >= 0),
@@ -124,7 +125,7 @@ def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
   out = []
   for g, b in zip(leaves, jax.tree.leaves(state.grads)):
     if (isinstance(g, jax.Array) and isinstance(b, jax.Array)
-        and not errors.is_traced(g) and not errors.is_traced(b)
+        and not _tree.is_traced(g) and not _tree.is_traced(b)
         and not g.sharding.is_equivalent_to(b.sharding, b.ndim)):
       g = jax.device_put(g, b.sharding)
     out.append(g)
@@ -228,10 +229,8 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def _reset(state: AccumState, next_loss_scale: jax.Array) -> AccumState:
-  zi, zf = jnp.int32(0), jnp.float32(0)
-  return state.replace(grads=jax.tree.map(zeros_like, state.grads), issued=zi, zero_weight=zi,
-                       rejected=zi, weight_hi=zf, weight_lo=zf,
-                       windows=state.windows + 1, loss_scale=next_loss_scale)
+  return state.replace(grads=jax.tree.map(_tree.zeros_like, state.grads),
+                       **_counters.at_finish(state, next_loss_scale))
 
 
 def keep_unless(consumed: jax.Array, reset: AccumState,
@@ -353,8 +352,8 @@ def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
   if next_loss_scale is not None:
     errors.check_loss_scale(next_loss_scale,
                             what="finish_mean(next_loss_scale=...)")
-  issued = errors.concrete_float(state.issued)
-  if issued is not None and errors.concrete_float(state.weight_hi) is not None:
+  issued = _tree.concrete_float(state.issued)
+  if issued is not None and _tree.concrete_float(state.weight_hi) is not None:
     total = state.total_weight
     if not total > 0:
       raise WeightedAccumulationError(

@@ -64,6 +64,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from weighted_accum import _counters
+from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import errors
 from weighted_accum import state as state_lib
@@ -112,7 +114,7 @@ def _vma_checked(axes: tuple[str, ...]) -> bool:
   With ``check_vma=False`` every value reads as unvarying and autodiff does
   not sum gradients of replicated params: they are local.
   """
-  return axes[0] in errors.varying_axes(jax.lax.axis_index(axes[0]))
+  return axes[0] in _tree.varying_axes(jax.lax.axis_index(axes[0]))
 
 
 def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -121,7 +123,7 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in axes if a not in errors.varying_axes(x))
+    missing = tuple(a for a in axes if a not in _tree.varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
@@ -129,8 +131,8 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 
 def _like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
   """Casts ``x`` to vary over the ``axes`` that ``ref`` varies over."""
-  missing = tuple(a for a in axes if a in errors.varying_axes(ref)
-                  and a not in errors.varying_axes(x))
+  missing = tuple(a for a in axes if a in _tree.varying_axes(ref)
+                  and a not in _tree.varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -149,7 +151,7 @@ def _leaf_status(leaves: list[Any], paths: list[str],
     return False
   status = None
   for path, x in zip(paths, leaves):
-    v = errors.varying_axes(x) & set(axes)
+    v = _tree.varying_axes(x) & set(axes)
     if v and v != set(axes):
       raise WeightedAccumulationError(
           f"{what}: leaf {path} varies over {sorted(v)} but not over "
@@ -211,7 +213,7 @@ def is_reduced(grads: Any, axis_name: AxisName) -> bool:
   """
   axes = _axes(axis_name, "is_reduced")
   leaves = jax.tree.leaves(grads)
-  return _leaf_status(leaves, errors.leaf_paths(grads), axes,
+  return _leaf_status(leaves, _tree.leaf_paths(grads), axes,
                       "is_reduced(grads)")
 
 
@@ -356,10 +358,10 @@ def init(params: Any, axis_name: AxisName, dtype: Any = jnp.float32,
   """
   axes = _axes(axis_name, "distributed.init")
   s = state_lib.init(params, dtype=dtype, loss_scale=loss_scale)
-  return s.replace(**{
-      k: _to_varying(getattr(s, k), axes)
-      for k in ("grads", "issued", "zero_weight", "rejected", "weight_hi",
-                "weight_lo")})
+  per_replica = ("grads",) + _counters.named(_counters.SUMMED) + (
+      _counters.named(_counters.LOCAL))
+  return s.replace(**{k: _to_varying(getattr(s, k), axes)
+                      for k in per_replica})
 
 
 def _accumulate(state: AccumState, grads: Any, weight: Any,
@@ -368,15 +370,15 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   what = f"distributed.{name}"
   axes = _axes(axis_name, what)
   _check_reduce(reduce, what)
-  leaves = errors.match_tree(state.grads, grads, what=f"{what}(grads)")
-  paths = errors.leaf_paths(state.grads)
-  errors.check_leaves_floating(list(zip(paths, leaves)),
+  leaves = _tree.match_tree(state.grads, grads, what=f"{what}(grads)")
+  paths = _tree.leaf_paths(state.grads)
+  _tree.check_leaves_floating(list(zip(paths, leaves)),
                                what=f"{what}(grads)")
   errors.check_weight(weight, what=f"{what}(weight)")
   vma_on = _vma_checked(axes)
   if reduce == "microbatch" and vma_on:
     varying = [p for p, b in zip(paths, jax.tree.leaves(state.grads))
-               if errors.varying_axes(b) & set(axes)]
+               if _tree.varying_axes(b) & set(axes)]
     if varying:
       raise WeightedAccumulationError(
           f"{what}(state): buffer {varying[0]} varies over {axes}: this "
@@ -394,7 +396,7 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   bad = ~(jnp.isfinite(w) & (w >= 0))
   w_ok = jnp.where(bad, 0.0, w)
   if reduced and mean:
-    if set(axes) & errors.varying_axes(weight):
+    if set(axes) & _tree.varying_axes(weight):
       raise WeightedAccumulationError(
           f"{what}(grads): these gradients of per-replica MEAN losses were "
           f"already summed over {axes} by autodiff (the params are unvarying "
@@ -542,7 +544,7 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
   """One collective round: psum of the varying sums with weights and count,
   then divide by the loss scale, then by the global weight."""
   vma_on = _vma_checked(axes)
-  if vma_on and set(axes) & errors.varying_axes(loss_scale):
+  if vma_on and set(axes) & _tree.varying_axes(loss_scale):
     raise WeightedAccumulationError(
         f"{what}: the loss scale varies over {axes}; every replica must use "
         "the same loss scale for a window. Pass it in with P() (unvarying).")
@@ -551,7 +553,7 @@ def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
   for i, x in enumerate(leaves):
     # An unvarying leaf is identical on every replica: already global (an
     # empty window's zeros, or sums of gradients autodiff reduced).
-    ax = (tuple(a for a in axes if a in errors.varying_axes(x)) if vma_on
+    ax = (tuple(a for a in axes if a in _tree.varying_axes(x)) if vma_on
           else axes)
     if ax:
       groups.setdefault(ax, []).append(i)
@@ -679,9 +681,9 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   if reduce == "microbatch":
     if _vma_checked(axes):
       named = [("weight", state.weight_hi)] + list(
-          zip(errors.leaf_paths(state.grads), jax.tree.leaves(state.grads)))
+          zip(_tree.leaf_paths(state.grads), jax.tree.leaves(state.grads)))
       for path, x in named:
-        if errors.varying_axes(x) & set(axes):
+        if _tree.varying_axes(x) & set(axes):
           raise WeightedAccumulationError(
               f"{what}(state): {path} varies over {axes}, so the window holds "
               "per-replica values, not the global sums reduce='microbatch' "

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
@@ -329,7 +330,7 @@ def weighted_multi_steps(
     if params is None:
       like = jax.tree.leaves(grads)
     else:
-      like = errors.match_tree(state.accum.grads, params,
+      like = _tree.match_tree(state.accum.grads, params,
                                what="update(params)")
 
     def apply(g, inner_state, params):
