@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weighted_accum import _tree
-from weighted_accum import tally
+from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 
 # What a finish does to a counter: (current value, next loss scale) -> value.
@@ -182,7 +182,7 @@ def _weight_pair(counters: Mapping[str, Any], values: dict[str, Any],
         f"{what}: give either 'total_weight' or 'weight_hi'/'weight_lo', "
         "not both.")
   tw = float(_concrete(counters, TOTAL_WEIGHT, 0.0, what))
-  hi, lo = tally.split(tw) if math.isfinite(tw) else (tw, 0.0)
+  hi, lo = _tally.split(tw) if math.isfinite(tw) else (tw, 0.0)
   values.update(weight_hi=float(hi), weight_lo=float(lo))
 
 

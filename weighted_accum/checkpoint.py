@@ -1,46 +1,8 @@
-"""Orbax checkpointing of accumulator state: ``AccumSave`` / ``AccumRestore``.
+"""Orbax checkpointing of accumulator state: ``AccumSave``, ``AccumRestore``,
+their ``AccumCheckpointHandler`` and ``abstract_state``.
 
-A half-finished window is worth saving: resuming it continues the sums
-bit for bit. The two :class:`orbax.checkpoint.args.CheckpointArgs` below are
-registered with :class:`AccumCheckpointHandler`, so ``CheckpointManager`` and
-``ocp.args.Composite`` construct the handler by themselves, and the
-accumulator is saved atomically with the other items of a step::
-
-  import orbax.checkpoint as ocp
-  from weighted_accum.checkpoint import AccumRestore, AccumSave, abstract_state
-
-  mngr = ocp.CheckpointManager(path)          # async by default
-  mngr.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(params),
-      accum=AccumSave(state),                 # mid-window is fine
-      data=ocp.args.JsonSave({'batch': 17})))
-  ...
-  restored = mngr.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_params),
-      accum=AccumRestore(abstract_state(params)),
-      data=ocp.args.JsonRestore()))
-
-What is written (one item directory): the buffers, the seven counters
-(:data:`weighted_accum.state.COUNTER_FIELDS`, loss scale included) and the
-options (work dtype, :data:`weighted_accum.state.FORMAT_VERSION`) in the
-item's Orbax metadata. ``AccumSave`` also takes any pytree that contains
-``AccumState`` nodes, e.g. the state of
-:func:`weighted_accum.transform.weighted_multi_steps`; its other leaves are
-saved as by ``StandardSave`` and restored with the same strict checks.
-
-Saving never modifies the state, and Orbax finishes its device-to-host
-transfer before ``save`` returns (the blocking phase; only the file writes go
-on in the background), so the state may be donated to the next jitted step at
-once. On CPU the host copy is a zero-copy view: while the write holds it, JAX
-does not reuse that buffer for a donated output (the step allocates a fresh
-one), so the written values stay the pre-donation ones there too.
-
-Restoring validates before anything is returned, each fault raising
-:class:`~weighted_accum.errors.WeightedAccumulationError` that names the item
-directory and the leaf path or field: tree structure, shapes, dtypes (Orbax
-would cast silently; this module refuses), counters, the format version, and
-missing or truncated files. The template is only read, so a failed restore
-leaves the caller's state as it was.
+Usage, what is written and what restoring validates: ``docs/design.md``
+("Checkpoints").
 """
 
 from __future__ import annotations
@@ -59,7 +21,6 @@ import orbax.checkpoint as ocp
 
 from weighted_accum import _counters
 from weighted_accum import _tree
-from weighted_accum import errors
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState

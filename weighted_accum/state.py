@@ -18,7 +18,7 @@ import numpy as np
 from weighted_accum import _counters
 from weighted_accum import _tree
 from weighted_accum import errors
-from weighted_accum import tally
+from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 
 
@@ -66,8 +66,8 @@ class AccumState(struct.PyTreeNode):
     transformation it is the float32 array ``weight_hi + weight_lo``.
     """
     if _tree.is_traced(self.weight_hi) or _tree.is_traced(self.weight_lo):
-      return tally.join_traced(self.weight_hi, self.weight_lo)
-    return tally.join(self.weight_hi, self.weight_lo)
+      return _tally.join_traced(self.weight_hi, self.weight_lo)
+    return _tally.join(self.weight_hi, self.weight_lo)
 
   @property
   def counters(self) -> dict[str, jax.Array]:
