@@ -789,3 +789,40 @@ def test_checkpoint_nnx_optimizer_opt_state_round_trip():
   assert int(c["issued"]) == 1 and c["total_weight"] == 3.0
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(opt.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------- float64 --
+
+def test_float64_work_dtype_keeps_float64_weights():
+  """With x64 and a float64 work dtype the tally, the loss scale and the
+  weight multiplying a mean's grads are float64: fractional float64 weights
+  give the float64 NumPy result, not one rounded through float32."""
+  with jax.enable_x64(True):
+    params = {"w": jnp.zeros(3, jnp.float64)}
+    weights = [0.1, 0.2, 1.0 / 3.0, 7.0]
+    grads = [np.array([1.0, -2.0, 3.0]) * (i + 1) / 3.0 for i in range(4)]
+    for jit in (False, True):
+      acc = J_MEAN if jit else wa.accumulate_mean
+      s = wa.init(params, dtype=jnp.float64, loss_scale=0.1)
+      assert s.weight_hi.dtype == jnp.float64
+      assert s.loss_scale.dtype == jnp.float64
+      for g, w in zip(grads, weights):
+        s = acc(s, {"w": jnp.asarray(g * 0.1)},
+                jnp.float64(w) if jit else w)
+      assert abs(s.total_weight - math.fsum(weights)) <= 1e-16
+      out, _ = (J_FINISH_MEAN if jit else wa.finish_mean)(s)
+      ref = sum(g * 0.1 * w for g, w in zip(grads, weights)) / 0.1 / (
+          math.fsum(weights))
+      assert out.grads["w"].dtype == jnp.float64
+      np.testing.assert_allclose(np.asarray(out.grads["w"]), ref, rtol=1e-14)
+      assert bool(out.valid)
+
+
+def test_docs_inputs_example_runs(capsys):
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  page = (pathlib.Path(__file__).parents[1] / "docs" / "inputs.md").read_text()
+  code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+  exec(compile(code, "docs/inputs.md", "exec"), {})  # pylint: disable=exec-used
+  assert capsys.readouterr().out.splitlines() == [
+      "refused: accumulate_sum(weight)", "1 True"]
