@@ -24,7 +24,7 @@ Axes = tuple[str, ...]
 
 
 def divide(sums: Any, loss_scale: jax.Array, weight: jax.Array, *,
-           wide: bool = False) -> Any:
+           wide: bool = False, mark_nonfinite: bool = False) -> Any:
   """``(sums / loss_scale) / weight`` per leaf; zeros where ``weight <= 0``.
 
   Sequential division in at least float32, never by ``loss_scale * weight``
@@ -33,7 +33,10 @@ def divide(sums: Any, loss_scale: jax.Array, weight: jax.Array, *,
   1`` the mean can exceed float16's range although the sums do not). Zeros
   too where the weight is not finite (a psum of weights that overflowed) or
   the loss scale is unusable (NaN marks a window given an invalid traced
-  scale): nothing is divided by them.
+  scale): nothing is divided by them. With ``mark_nonfinite`` the result is
+  NaN where the sum was NaN or Inf, so that the result alone tells a
+  non-finite pending value (NaN) from an overflow of the mean (Inf): see
+  :func:`result`.
   """
   ok = usable_divisors(loss_scale, weight)
 
@@ -41,6 +44,8 @@ def divide(sums: Any, loss_scale: jax.Array, weight: jax.Array, *,
     ct = compute_dtype(b.dtype)
     g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
     g = jnp.where(ok, g, jnp.zeros((), ct))
+    if mark_nonfinite:
+      g = jnp.where(jnp.isfinite(b), g, jnp.asarray(jnp.nan, ct))
     return g if wide else g.astype(b.dtype)
 
   return jax.tree.map(one, sums)
@@ -145,23 +150,25 @@ def result(sums: Any, weight: jax.Array, loss_scale: jax.Array,
   reacts to (a mean that overflows float16 because ``weight * loss_scale <
   1`` is no reason to lower the scale). ``valid`` is ``finite``, a usable
   loss scale, with ``require_weight`` a positive finite ``weight``, and with
-  ``mean`` a result that is finite in the work dtype. All from one
-  max-magnitude reduction of the sums, read before the result is written
-  over them in place: division by a positive number and rounding are
-  monotone, so the largest result is the largest sum's.
+  ``mean`` a result that is finite in the work dtype.
+
+  Both flags come from one max-magnitude reduction read AFTER the result is
+  written (reading the donated sums before would make XLA copy them): with
+  ``mean`` the result is NaN exactly where a sum was non-finite
+  (``divide(..., mark_nonfinite=True)``), so a NaN maximum is a non-finite
+  pending value and an infinite one an overflow of the mean.
   """
-  peaks = [_tree.peak(b) for b in jax.tree.leaves(sums)]
-  finite = _tree.all_of(jnp.isfinite(p) for p in peaks)
   usable = _inputs.scale_ok(jnp.asarray(loss_scale))
   if require_weight:
     usable = usable & usable_divisors(loss_scale, weight)
   if mean:
-    grads = divide(sums, loss_scale, weight)
-    tops = divide([p.astype(b.dtype) for p, b in
-                   zip(peaks, jax.tree.leaves(sums))], loss_scale, weight)
-    usable = usable & _tree.all_of(jnp.isfinite(t) for t in tops)
+    grads = divide(sums, loss_scale, weight, mark_nonfinite=True)
+    peaks = [_tree.peak(g) for g in jax.tree.leaves(grads)]
+    finite = _tree.all_of(~jnp.isnan(p) for p in peaks)
+    usable = usable & _tree.all_of(jnp.isfinite(p) for p in peaks)
   else:
     grads = sums
+    finite = _tree.all_finite(grads)
   valid = finite & usable
   return AccumulatedGradients(
       grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
