@@ -826,3 +826,37 @@ def test_docs_inputs_example_runs(capsys):
   exec(compile(code, "docs/inputs.md", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.splitlines() == [
       "refused: accumulate_sum(weight)", "1 True"]
+
+
+@pytest.mark.parametrize("finish,ok", [
+    (None, True), (True, True), (np.bool_(True), True), (jnp.array(True), True),
+    ("yes", False), (1, False), (np.ones(2, bool), False), (0.0, False),
+])
+def test_wrapper_finish_flag_accepted_or_named(finish, ok):
+  if ok:
+    _, s = TX.update(GRADS, TX_STATE, PARAMS, weight=1, finish=finish)
+    assert bool(wa.has_updated(s)) == (finish is not None)
+  else:
+    with pytest.raises(Error, match=r"finish=..."):
+      TX.update(GRADS, TX_STATE, PARAMS, weight=1, finish=finish)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("loss_scale", 0.0, "loss_scale"), ("loss_scale", -2.0, "loss_scale"),
+    ("loss_scale", np.nan, "loss_scale"), ("loss_scale", 1e-40, "loss_scale"),
+    ("loss_scale", np.inf, "loss_scale"), ("issued", -1, "issued"),
+    ("rejected", 7, "exceed 'issued'"), ("weight_hi", -3.0, "total_weight"),
+    ("weight_hi", np.inf, "total_weight"), ("weight_lo", 1e-40, "weight_lo"),
+])
+def test_checkpoint_restore_refuses_corrupt_counters_by_name(field, value,
+                                                             needle):
+  """A saved counter that could not have been stored by the library (as the
+  restore would store it) is refused, naming it; the template is untouched."""
+  dtype = np.int32 if field in COUNTS else np.float32
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    bad = BASE.replace(**{field: jnp.asarray(np.asarray(value).astype(dtype))})
+  path = _save(bad)
+  with pytest.raises(Error, match=needle):
+    _restore(path, BASE)
+  assert_same(BASE, BASE_SNAP)

@@ -94,10 +94,13 @@ def _real(what: str, name: str, v: Any, dtype: np.dtype) -> Any:
   if not math.isfinite(v):
     return v  # reported as the total's fault
   stored = dtype.type(v)
-  if not np.isfinite(stored) or float(stored) != v:
+  tiny = float(np.finfo(dtype).tiny)
+  if (not np.isfinite(stored) or float(stored) != v
+      or 0 < abs(v) < tiny):
     raise WeightedAccumulationError(
         f"{what}: counter {name!r} is {v!r}, which is not a finite {dtype} "
-        "value (the tally stores it as one). The checkpoint is corrupt.")
+        "value outside the subnormal range (the tally stores it as one, and "
+        "arithmetic flushes subnormals). The checkpoint is corrupt.")
   return stored
 
 

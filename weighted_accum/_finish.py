@@ -190,8 +190,9 @@ def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
   (:func:`result`): the sums, or with ``mean`` the sums divided by the loss
   scale then by the total weight; (3) the next window (:func:`next_window`):
   zero buffers, counters reset, loss scale ``next_loss_scale`` (default:
-  unchanged; a traced invalid one keeps the current), and with
-  ``keep_empty`` the counters kept when the total weight is 0.
+  unchanged; a traced invalid one is NaN, see :func:`next_scale`), and with
+  ``keep_empty`` the counters but the loss scale kept when the total weight
+  is 0.
 
   Args:
     state: the window (per replica when ``axes`` are given).

@@ -327,10 +327,13 @@ def traced_flag(x: Any, *, what: str) -> jax.Array:
     return jnp.bool_(False)
   if isinstance(x, (bool, np.bool_)):
     return jnp.bool_(bool(x))
-  if np.ndim(x) != 0 or jnp.result_type(x) != jnp.bool_:
+  is_array = isinstance(x, (jax.Array, np.ndarray))
+  if not is_array or x.ndim != 0 or x.dtype != np.bool_:
+    kind = (f"{x.dtype} of shape {x.shape}" if is_array
+            else f"{x!r} ({type(x).__name__})")
     raise WeightedAccumulationError(
-        f"{what}: expected a bool scalar, got {jnp.result_type(x)} of shape "
-        f"{np.shape(x)}. Pass True, False or a traced bool scalar.")
+        f"{what}: expected a bool scalar, got {kind}. Pass True, False, None "
+        "or a (possibly traced) bool scalar array.")
   return x if _is_traced(x) else jnp.asarray(np.asarray(x))
 
 

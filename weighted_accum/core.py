@@ -45,9 +45,10 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
       weight, so that a ``checkify.checkify``-wrapped step reports it.
 
   Returns:
-    The new state. Under ``jit`` an invalid (negative, NaN, infinite) weight
-    rejects the microbatch whole: buffers and weight unchanged, ``issued`` and
-    ``rejected`` incremented.
+    The new state. Under ``jit`` a weight that cannot be stored (negative,
+    NaN, infinite, subnormal, beyond the tally's range; see
+    ``docs/inputs.md``) rejects the microbatch whole: buffers and weight
+    unchanged, ``issued`` and ``rejected`` incremented.
 
   Raises:
     WeightedAccumulationError: for a grads tree that does not match the
@@ -157,15 +158,20 @@ def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
 
   Args:
     state: the window to finish.
-    next_loss_scale: the next window's loss scale (default: unchanged).
+    next_loss_scale: the next window's loss scale (default: unchanged). A
+      traced invalid one marks the next window unusable (``docs/inputs.md``).
     checked: under ``jax.jit``, also emit a ``checkify`` check that the
       window's total weight is positive.
 
   Returns:
-    ``(out, new_state)``. ``out.grads`` in the work dtype; ``out.finite`` is
-    false if any pending value was NaN/Inf (skip the step); ``out.valid`` is
-    ``finite`` and a positive weight. Under ``jit``, a window of zero total
-    weight returns zero grads, ``valid == False`` and the state unchanged.
+    ``(out, new_state)``. ``out.grads`` in the work dtype (NaN where a
+    pending value was NaN/Inf); ``out.finite`` is false if any pending value
+    was NaN/Inf (skip the step, a loss scaler backs off); ``out.valid`` is
+    ``finite``, a positive weight and a mean that fits the work dtype (with
+    float16 buffers it can overflow when ``weight * loss_scale < 1``, with
+    ``finite`` true). Under ``jit``, a window of zero total weight returns
+    zero grads, ``valid == False`` and the state unchanged (but for the loss
+    scale, which becomes ``next_loss_scale`` when one is given).
 
   Raises:
     WeightedAccumulationError: when a concrete window has zero total weight

@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from weighted_accum import _finish
@@ -146,15 +145,9 @@ def _check_every_k(every_k: Any) -> int | None:
 
 
 def _check_finish(finish: Any) -> jax.Array:
-  if finish is None:
-    return jnp.bool_(False)
-  if np.ndim(finish) != 0 or jnp.result_type(finish) != jnp.bool_:
-    raise WeightedAccumulationError(
-        f"update(finish=...): expected a bool scalar, got "
-        f"{jnp.result_type(finish)} of shape {np.shape(finish)}. Pass True to "
-        "close the window after this microbatch (e.g. at the end of an "
-        "epoch), False or None otherwise; a traced bool is fine.")
-  return jnp.asarray(finish)
+  # True closes the window after this microbatch (e.g. at the end of an
+  # epoch); False or None keep it open; a traced bool is fine.
+  return _inputs.traced_flag(finish, what="update(finish=...)")
 
 
 class _Config(NamedTuple):
