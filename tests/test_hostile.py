@@ -406,14 +406,17 @@ def test_init_loss_scale_under_jit_never_flips_or_reports_valid(pair):
   s = J_INIT(PARAMS, loss_scale=obj)
   stored = float(np.float32(ref)) if scale_ok(ref) else None
   s = _mean_window(s, np.float32(ref) if stored else np.float32(1.0))
-  out, new = J_FINISH_MEAN(s)
+  out, _ = J_FINISH_MEAN(s)
   if stored is not None:
     assert float(s.loss_scale) == stored
     assert int(s.rejected) == 0
-    if bool(out.valid):
+    if 1e-30 <= stored <= 1e30:   # the scaled grads neither under- nor overflow
+      assert bool(out.valid)
       for k in G64:
         np.testing.assert_allclose(np.asarray(out.grads[k]), G64[k],
                                    rtol=1e-5)
+    elif stored > 1e38:           # 4 * 2 * scale overflows: reported
+      assert not bool(out.finite) and not bool(out.valid)
   else:
     assert np.isnan(float(s.loss_scale))
     assert int(s.rejected) == 2 and s.total_weight == 0
@@ -822,7 +825,7 @@ def test_docs_inputs_example_runs(capsys):
   import pathlib  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   page = (pathlib.Path(__file__).parents[1] / "docs" / "inputs.md").read_text()
-  code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+  code = re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1)
   exec(compile(code, "docs/inputs.md", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.splitlines() == [
       "refused: accumulate_sum(weight)", "1 True"]
@@ -860,3 +863,23 @@ def test_checkpoint_restore_refuses_corrupt_counters_by_name(field, value,
   with pytest.raises(Error, match=needle):
     _restore(path, BASE)
   assert_same(BASE, BASE_SNAP)
+
+
+@pytest.mark.parametrize("reduce", ["window", "microbatch"])
+@pytest.mark.parametrize("scale,ok", [(4.0, True), (1e39, False),
+                                      (1e-46, False), (-1.0, False)])
+def test_distributed_next_loss_scale_named_or_stored(reduce, scale, ok):
+  def step(p, x):
+    s = dist.init(p, "data") if reduce == "window" else wa.init(p)
+    s = dist.accumulate_sum(s, GRADS, x[0], "data", reduce=reduce)
+    _, s = dist.finish_mean(s, "data", reduce=reduce, next_loss_scale=scale)
+    return s.loss_scale
+
+  f = jax.shard_map(step, mesh=MESH, in_specs=(P(), P("data")),
+                    out_specs=P())
+  if ok:
+    assert float(jax.jit(f)(PARAMS, jnp.ones(N))) == scale
+  else:
+    with pytest.raises(Error, match=r"distributed.finish_mean\("
+                       r"next_loss_scale=...\)"):
+      jax.eval_shape(f, PARAMS, jnp.ones(N))

@@ -93,7 +93,8 @@ def _real(what: str, name: str, v: Any, dtype: np.dtype) -> Any:
                           noun="a part of the window's total weight")
   if not math.isfinite(v):
     return v  # reported as the total's fault
-  stored = dtype.type(v)
+  with np.errstate(over="ignore"):
+    stored = dtype.type(v)  # inf when beyond the dtype: refused below
   tiny = float(np.finfo(dtype).tiny)
   if (not np.isfinite(stored) or float(stored) != v
       or 0 < abs(v) < tiny):

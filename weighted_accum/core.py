@@ -18,7 +18,6 @@ from weighted_accum import _accum
 from weighted_accum import _finish
 from weighted_accum import _inputs
 from weighted_accum import _tree
-from weighted_accum import errors
 from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState

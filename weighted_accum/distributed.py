@@ -606,6 +606,10 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   what = "distributed.finish_mean"
   axes = _axes(axis_name, what)
   _check_reduce(reduce, what)
+  if next_loss_scale is not None:
+    next_loss_scale = _inputs.loss_scale(
+        next_loss_scale, what=f"{what}(next_loss_scale=...)",
+        dtype=state.loss_scale.dtype)
   if reduce == "microbatch":
     if _vma_checked(axes):
       _check_global_window(state, axes, what)
