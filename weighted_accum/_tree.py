@@ -19,7 +19,7 @@ from weighted_accum.errors import is_traced
 
 
 def path_str(path: tuple) -> str:
-  """A readable leaf path such as ``['layer']['kernel']`` (``<root>`` if empty)."""
+  """A readable leaf path, e.g. ``['a']['b']`` (``<root>`` if empty)."""
   s = jax.tree_util.keystr(path)
   return s if s else "<root>"
 
