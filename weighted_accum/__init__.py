@@ -21,6 +21,8 @@ from weighted_accum.distributed import local_grad
 from weighted_accum.distributed import local_value_and_grad
 from weighted_accum.distributed import reduce_sums
 from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.loss_scale import DynamicLossScale
+from weighted_accum.loss_scale import set_loss_scale
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
@@ -41,6 +43,7 @@ __all__ = (
     "AccumSave",
     "AccumState",
     "AccumulatedGradients",
+    "DynamicLossScale",
     "WeightedAccumulationError",
     "WeightedMultiStepsState",
     "abstract_state",
@@ -56,6 +59,7 @@ __all__ = (
     "local_grad",
     "local_value_and_grad",
     "reduce_sums",
+    "set_loss_scale",
     "weighted_multi_steps",
     "window_counters",
 )

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from weighted_accum import _counters
 from weighted_accum import _tree
+from weighted_accum import loss_scale
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
@@ -330,7 +331,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
           f"{where}: could not read the checkpoint's arrays "
           f"({type(e).__name__}: {e}). Its files are missing, truncated or "
           "corrupt (an interrupted copy?); restore another step.") from e
-    return self._rebuild(template, restored, where)
+    out = self._rebuild(template, restored, where)
+    loss_scale.check_restored(out, what=where)  # scale and tracker
+    return out
 
   def _read_metadata(self, directory: epath.Path, where: str) -> Any:
     try:
