@@ -124,6 +124,16 @@ def varying_axes(x: Any) -> frozenset:
   return frozenset(v)
 
 
+def vma_checked(axes: tuple[str, ...]) -> bool:
+  """Whether the enclosing ``shard_map`` tracks varying types over
+  ``axes[0]`` (``check_vma=True``).
+
+  With ``check_vma=False`` every value reads as unvarying and autodiff does
+  not sum gradients of replicated params: they are local.
+  """
+  return axes[0] in varying_axes(jax.lax.axis_index(axes[0]))
+
+
 def vary_like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
   """Casts ``x`` to vary over the ``axes`` that ``ref`` varies over."""
   missing = tuple(a for a in axes if a in varying_axes(ref)
