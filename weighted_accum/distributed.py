@@ -582,9 +582,9 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
     >>> from jax.sharding import PartitionSpec as P
     >>> import weighted_accum as wa
     >>> from weighted_accum import distributed as dist
-    >>> n = jax.device_count()
     >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> def step(p, x):
+    >>> n = mesh.size   # replicas
+    >>> def step(p, x):   # a window of one microbatch, reduced at once
     ...   s = wa.init(p)
     ...   g = dist.local_grad(lambda p: jnp.sum(x * p), 'data')(p)
     ...   s = dist.accumulate_sum(s, g, x.size, 'data', reduce='microbatch')
