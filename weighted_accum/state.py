@@ -142,7 +142,7 @@ def init(params: Any, dtype: Any = jnp.float32,
 
 
 def _work_dtype(named: list[tuple[str, Any]]) -> jnp.dtype:
-  """The one floating dtype of restored buffers (float32 when there are none)."""
+  """The one floating dtype of restored buffers (float32 if there are none)."""
   _tree.check_leaves_floating(named, what="from_buffers(buffers)")
   # A buffer's own dtype: a NumPy float64 buffer is float64, not the float32
   # JAX would silently make of it without x64.
