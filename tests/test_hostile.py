@@ -105,10 +105,11 @@ def make(kind, mag):
     return complex(mag, 0.0)
   if kind == "list1":
     return [mag]
-  if kind == "arr1":
-    return np.array([mag], np.float32)
-  if kind == "jarr1":
-    return jnp.array([mag], jnp.float32)
+  if kind in ("arr1", "jarr1"):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")   # 1e300 -> inf: the user's value
+      arr = np.array([mag], np.float32)
+    return arr if kind == "arr1" else jnp.asarray(arr)
   family, dtype = kind
   if dtype == jnp.bool_:
     if mag not in (0.0, 1.0):
