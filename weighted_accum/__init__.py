@@ -6,6 +6,8 @@ weighted sums in a chosen work dtype and divides once, so the result equals
 the full-batch gradient whatever the split.
 """
 
+from importlib import metadata as _metadata
+
 from weighted_accum import checkpoint
 from weighted_accum.checkpoint import AccumRestore
 from weighted_accum.checkpoint import AccumSave
@@ -30,7 +32,11 @@ from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
 from weighted_accum.transform import window_counters
 
-__version__ = "0.1.0"
+# The one version string is pyproject.toml's; installed metadata carries it.
+try:
+  __version__ = _metadata.version("weighted_accum")
+except _metadata.PackageNotFoundError:  # a source tree that is not installed
+  __version__ = "0+unknown"
 
 __all__ = (
     "AccumRestore",
