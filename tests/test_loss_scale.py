@@ -11,6 +11,8 @@ demo model for the float16 run.
 from __future__ import annotations
 
 import math
+import pathlib
+import re
 import tempfile
 
 from hypothesis import given
@@ -551,3 +553,19 @@ def test_float16_backs_off_from_overflow_then_tracks_float32(float16_run):
   assert gap.max() <= GAP_TOLERANCE, gap
   # And it trained: the loss fell well below its start.
   assert losses[finite][-1] < 0.75 * losses[first]
+
+
+# docs/mixed_precision.md ------------------------------------------------------
+
+
+def test_mixed_precision_doc_examples_run(capsys):
+  """Every ```python block of the page, in order, in one namespace (they
+  assert their own claims)."""
+  page = pathlib.Path(__file__).parent.parent / "docs" / "mixed_precision.md"
+  blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+  assert len(blocks) >= 6
+  namespace: dict = {}
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"docs/mixed_precision.md block {i}", "exec"),  # pylint: disable=exec-used
+         namespace)
+  assert "windows skipped while backing off" in capsys.readouterr().out
