@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import pickle
 import re
 import tempfile
 
@@ -219,6 +220,35 @@ def test_constructor_names_the_invalid_argument(kwargs, needle):
   with pytest.raises(wa.WeightedAccumulationError, match=needle) as e:
     wa.DynamicLossScale(scale, **kwargs)
   assert isinstance(e.value, ValueError)
+
+
+@given(scale=st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+    [1e-38, 1.2e-38, 1e-45, 3.4e38, 3.5e38, 0.5, 1.0, -0.0]),
+       min_scale=st.sampled_from([1.0, 2.0**-126, 1e-30, 4.0]))
+def test_constructor_scale_is_accepted_iff_a_float32_number_above_the_floor(
+    scale, min_scale):
+  """Independent reference: NumPy's float32 rounding and finfo."""
+  with np.errstate(over="ignore"):
+    stored = np.float32(scale) if np.isfinite(scale) else np.float32(np.nan)
+  ok = bool(np.isfinite(stored) and stored >= np.finfo(np.float32).tiny
+            and stored >= np.float32(min_scale))
+  if ok:
+    s = wa.DynamicLossScale(scale, min_scale=min_scale)
+    assert np.asarray(s.scale).tobytes() == stored.tobytes()
+    assert s.scale.dtype == jnp.float32
+  else:
+    with pytest.raises(wa.WeightedAccumulationError, match="scale"):
+      wa.DynamicLossScale(scale, min_scale=min_scale)
+
+
+def test_pickles_and_evaluates_abstractly():
+  s = wa.DynamicLossScale(2.0**16, growth_interval=5).adjust(True)
+  t = pickle.loads(pickle.dumps(s))
+  assert (float(t.scale), int(t.growth_tracker), t.growth_interval) == (
+      2.0**16, 1, 5)
+  shapes = jax.eval_shape(lambda: wa.DynamicLossScale(8.0).adjust(True))
+  assert (shapes.scale.dtype, shapes.growth_tracker.dtype) == (jnp.float32,
+                                                              jnp.int32)
 
 
 def test_constructor_accepts_numpy_and_jax_scalars():

@@ -326,6 +326,19 @@ def check_restored(tree: Any, *, what: str) -> None:
     WeightedAccumulationError: naming the node's path and the field ('scale'
       or 'growth_tracker') that does not satisfy the constructor's rules
       under the template's configuration.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> from weighted_accum.loss_scale import check_restored
+    >>> good = wa.DynamicLossScale(8.0)
+    >>> bad = jax.tree.map(lambda x: -x, good)   # as a corrupt file would be
+    >>> check_restored({'scaler': good}, what='restore')
+    >>> try:
+    ...   check_restored({'scaler': bad}, what='restore')
+    ... except wa.WeightedAccumulationError as e:
+    ...   print(str(e)[:53])
+    restore: DynamicLossScale at ['scaler']: DynamicLossS
   """
   is_scaler = lambda x: isinstance(x, DynamicLossScale)  # noqa: E731
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaler)
