@@ -16,16 +16,16 @@ import pickle
 import re
 import tempfile
 
+from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import optax
+import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
 
 import weighted_accum as wa
 from weighted_accum import toy
@@ -596,6 +596,6 @@ def test_mixed_precision_doc_examples_run(capsys):
   assert len(blocks) >= 6
   namespace: dict = {}
   for i, code in enumerate(blocks):
-    exec(compile(code, f"docs/mixed_precision.md block {i}", "exec"),  # pylint: disable=exec-used
-         namespace)
+    where = f"docs/mixed_precision.md block {i}"
+    exec(compile(code, where, "exec"), namespace)  # pylint: disable=exec-used
   assert "windows skipped while backing off" in capsys.readouterr().out
