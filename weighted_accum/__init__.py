@@ -23,6 +23,7 @@ from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
 from weighted_accum.state import init
+from weighted_accum.transform import WeightedMultiSteps
 from weighted_accum.transform import WeightedMultiStepsState
 from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
@@ -36,6 +37,7 @@ __all__ = (
     "AccumState",
     "AccumulatedGradients",
     "WeightedAccumulationError",
+    "WeightedMultiSteps",
     "WeightedMultiStepsState",
     "abstract_state",
     "accumulate_mean",
