@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from weighted_accum import _counters
+from weighted_accum import _finish
+from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
@@ -334,7 +337,11 @@ def _accumulate(cfg: _Config, accum: state_lib.AccumState, grads: Any,
   else:
     fn = distributed.accumulate_mean if mean else distributed.accumulate_sum
     new = fn(accum, grads, weight, cfg.axis_name, reduce="microbatch")
-  return new if skip is None else core.keep_unless(~skip, new, accum)
+  if skip is None:
+    return new
+  old = _counters.of(accum)
+  return new.replace(**{k: jnp.where(skip, old[k], v)
+                        for k, v in _counters.of(new).items()})
 
 
 def _closes(cfg: _Config, closing: jax.Array, mini_step: jax.Array,
@@ -374,7 +381,7 @@ def _plan_inner(cfg: _Config, state: WeightedMultiStepsState, grads: Any,
   ms_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
   dtypes = ms_dtypes
   if params is not None:
-    p_leaves = errors.match_tree(state.acc_grads, params,
+    p_leaves = _tree.match_tree(state.acc_grads, params,
                                  what="update(params)")
     dtypes = [jnp.promote_types(d, jnp.result_type(p))
               for d, p in zip(ms_dtypes, p_leaves)]
@@ -410,10 +417,8 @@ def _window_grad(use_grad_mean: bool, loss_scale: jax.Array,
   """The window's gradient from its sums, in at least float32 (when total
   weight * loss scale < 1 the mean can exceed float16's range although the
   sums do not)."""
-  wide = jax.tree.map(lambda b: b.astype(core.compute_dtype(b.dtype)),
-                      buffers)
   divisor = weight if use_grad_mean else jnp.ones((), jnp.float32)
-  return core.normalise(wide, loss_scale, divisor)[0]
+  return _finish.divide(buffers, loss_scale, divisor, wide=True)
 
 
 def _apply_window(inner: _Inner, use_grad_mean: bool, loss_scale: jax.Array,
@@ -435,7 +440,7 @@ def _apply_window(inner: _Inner, use_grad_mean: bool, loss_scale: jax.Array,
   # are not applied; checked where they were written, so without a copy.
   # The inner state has taken that step: keeping its previous value beside
   # the new one would copy it on every call. ``nonfinite`` reports it.
-  return upd, new_inner, core.all_finite(upd)
+  return upd, new_inner, _tree.all_finite(upd)
 
 
 def _skip_window(inner: _Inner, buffers: Any, inner_state: Any,
@@ -452,16 +457,18 @@ def _close(inner: _Inner, use_grad_mean: bool, next_loss_scale: Any,
   # The window's validity from its sums, read in place: finish_mean's
   # normalised copy would be a parameter-sized temporary (XLA:CPU does not
   # fuse the division into the finiteness reduction).
-  out, reset = core.finish_sums(accum, next_loss_scale=next_loss_scale)
+  out, new = _finish.finish(accum, mean=False, keep_empty=True,
+                            next_loss_scale=next_loss_scale)
   nonempty = out.weight > 0
-  # As finish_mean: an empty window keeps its counters, but takes the next
-  # loss scale (its buffers are zero, so that is exact).
-  counters = core.keep_unless(nonempty, reset, accum).replace(
-      grads=None, loss_scale=reset.loss_scale)
+  # As finish_mean, an empty window keeps its counters, but it takes the
+  # next loss scale: its buffers are zero, so that is exact, and the
+  # caller's next microbatches are scaled by it.
+  counters = new.replace(grads=None, loss_scale=_finish.next_scale(
+      accum, next_loss_scale))
   # An invalid window (non-finite or empty) does not reach the inner
   # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN) nor
   # a select (which would make XLA copy the inner state).
-  valid = out.finite & nonempty
+  valid = out.valid
   upd, new_inner, upd_ok = lax.cond(
       valid,
       functools.partial(_apply_window, inner, use_grad_mean,
