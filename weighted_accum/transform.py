@@ -31,6 +31,7 @@ from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
 from weighted_accum import state as state_lib
+from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.errors import WeightedAccumulationError
 
 __all__ = ["WeightedMultiSteps", "WeightedMultiStepsState", "has_updated",
@@ -73,6 +74,8 @@ class WeightedMultiStepsState(NamedTuple):
       carry into the next window.
     skipped: int32, microbatches skipped by ``should_skip_update_fn`` since
       ``init``.
+    loss_scaler: the :class:`~weighted_accum.DynamicLossScale` adjusted at
+      each close, or ``None`` for a fixed loss scale.
   """
 
   mini_step: jax.Array
@@ -86,6 +89,7 @@ class WeightedMultiStepsState(NamedTuple):
   nonfinite_windows: jax.Array
   empty_windows: jax.Array
   skipped: jax.Array
+  loss_scaler: DynamicLossScale | None
 
   @property
   def accum(self) -> state_lib.AccumState:
@@ -254,7 +258,8 @@ def _config(who: str, k_arg: str, opt: Any, every_k: Any,
         f"{who}(should_skip_update_fn=...): {should_skip_update_fn!r} is not "
         "callable. Pass a function (updates, gradient_step, params) -> "
         "(should_skip, skip_state), e.g. optax.skip_not_finite, or None.")
-  errors.check_loss_scale(loss_scale, what=f"{who}(loss_scale=...)")
+  if not isinstance(loss_scale, DynamicLossScale):
+    errors.check_loss_scale(loss_scale, what=f"{who}(loss_scale=...)")
   return _Config(
       inner=optax.with_extra_args_support(opt),
       every_k=_check_every_k(every_k, f"{who}({k_arg}=...)"),
@@ -282,6 +287,7 @@ class _Closed(NamedTuple):
       inner updates.
     consumed: the window is over (its buffers are zeroed for the next one).
     empty: a close of a window with zero total weight (kept open).
+    scaler: the dynamic loss scale after this call (``None`` without one).
   """
   carrier: Any
   inner_state: Any
@@ -290,6 +296,7 @@ class _Closed(NamedTuple):
   nonfinite: jax.Array
   consumed: jax.Array
   empty: jax.Array
+  scaler: DynamicLossScale | None
 
 
 class _Inner(NamedTuple):
@@ -451,8 +458,8 @@ def _skip_window(inner: _Inner, buffers: Any, inner_state: Any,
 
 
 def _close(inner: _Inner, use_grad_mean: bool, next_loss_scale: Any,
-           accum: state_lib.AccumState, inner_state: Any,
-           params: Any) -> _Closed:
+           accum: state_lib.AccumState, inner_state: Any, params: Any,
+           scaler: DynamicLossScale | None) -> _Closed:
   """Closes the window: applies it if valid, and starts the next one."""
   # The window's validity from its sums, read in place: finish_mean's
   # normalised copy would be a parameter-sized temporary (XLA:CPU does not
@@ -460,6 +467,13 @@ def _close(inner: _Inner, use_grad_mean: bool, next_loss_scale: Any,
   out, new = _finish.finish(accum, mean=False, keep_empty=True,
                             next_loss_scale=next_loss_scale)
   nonempty = out.weight > 0
+  if scaler is not None:
+    # GradScaler's rule once per consumed window (an empty one stays open
+    # and is not a step); the next window starts at the new scale.
+    adjusted = scaler.adjust(out.finite)
+    scaler = jax.tree.map(lambda a, b: jnp.where(nonempty, a, b), adjusted,
+                          scaler)
+    next_loss_scale = scaler.scale
   # As finish_mean, an empty window keeps its counters, but it takes the
   # next loss scale: its buffers are zero, so that is exact, and the
   # caller's next microbatches are scaled by it.
@@ -477,17 +491,17 @@ def _close(inner: _Inner, use_grad_mean: bool, next_loss_scale: Any,
       accum.grads, inner_state, params)
   return _Closed(carrier=upd, inner_state=new_inner, counters=counters,
                  applied=upd_ok, nonfinite=nonempty & ~upd_ok,
-                 consumed=nonempty, empty=~nonempty)
+                 consumed=nonempty, empty=~nonempty, scaler=scaler)
 
 
 def _stay_open(inner: _Inner, accum: state_lib.AccumState, inner_state: Any,
-               params: Any) -> _Closed:
+               params: Any, scaler: DynamicLossScale | None) -> _Closed:
   del params
   f = jnp.bool_(False)
   carrier = accum.grads if inner.carry else _zero_updates(inner.shapes)
   return _Closed(carrier=carrier, inner_state=inner_state,
                  counters=accum.replace(grads=None), applied=f, nonfinite=f,
-                 consumed=f, empty=f)
+                 consumed=f, empty=f, scaler=scaler)
 
 
 def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
@@ -535,11 +549,20 @@ def _next_state(state: WeightedMultiStepsState, closed: _Closed,
       nonfinite=closed.nonfinite,
       nonfinite_windows=state.nonfinite_windows + count(closed.nonfinite),
       empty_windows=state.empty_windows + count(closed.empty),
-      skipped=skipped)
+      skipped=skipped,
+      loss_scaler=closed.scaler)
 
 
 def _init(cfg: _Config, params: Any) -> WeightedMultiStepsState:
-  accum = state_lib.init(params, dtype=cfg.dtype, loss_scale=cfg.loss_scale)
+  scaler = cfg.loss_scale if isinstance(cfg.loss_scale,
+                                         DynamicLossScale) else None
+  if scaler is not None:
+    # Fresh arrays: a donated state must not hold one buffer twice.
+    scaler = jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
+  accum = state_lib.init(
+      params, dtype=cfg.dtype,
+      loss_scale=(cfg.loss_scale if scaler is None
+                  else jnp.array(scaler.scale, copy=True)))
   # A distinct array per field: a donated state must not hold one buffer
   # twice.
   count = lambda: jnp.zeros((), jnp.int32)
@@ -552,7 +575,8 @@ def _init(cfg: _Config, params: Any) -> WeightedMultiStepsState:
       inner_opt_state=cfg.inner.init(params), acc_grads=accum.grads,
       skip_state=skip_state, window=accum.replace(grads=None),
       updated=jnp.zeros((), jnp.bool_), nonfinite=jnp.zeros((), jnp.bool_),
-      nonfinite_windows=count(), empty_windows=count(), skipped=count())
+      nonfinite_windows=count(), empty_windows=count(), skipped=count(),
+      loss_scaler=scaler)
 
 
 def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
@@ -562,6 +586,11 @@ def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
   """One microbatch: accumulate, then close the window or keep it open."""
   finish = _check_finish(finish)
   if next_loss_scale is not None:
+    if state.loss_scaler is not None:
+      raise WeightedAccumulationError(
+          "update(next_loss_scale=...): this transformation's loss scale is "
+          "a DynamicLossScale, which sets each window's scale itself. Drop "
+          "next_loss_scale, or construct it with a fixed loss_scale.")
     errors.check_loss_scale(next_loss_scale,
                             what="update(next_loss_scale=...)")
   skip, skip_state = _should_skip(cfg, grads, state, params)
@@ -575,7 +604,7 @@ def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
       closing,
       functools.partial(_close, inner, cfg.use_grad_mean, next_loss_scale),
       functools.partial(_stay_open, inner),
-      accum, state.inner_opt_state, params)
+      accum, state.inner_opt_state, params, state.loss_scaler)
   updates, buffers = _outputs(closed, inner, accum.grads)
   return updates, _next_state(state, closed, buffers, closing, mini_step,
                               skip, skip_state)
@@ -631,8 +660,13 @@ class WeightedMultiSteps:
     mode: ``"mean"`` when the grads are of each microbatch's loss MEAN
       (``sum(w * l) / weight``), ``"sum"`` when they are of its loss SUM.
     loss_scale: the factor every loss of a window is multiplied by (for
-      float16 training); divided out once at the close. Change it per window
-      with ``update(..., next_loss_scale=...)``.
+      float16 training); divided out once at the close. A number (change it
+      per window with ``update(..., next_loss_scale=...)``) or a
+      :class:`~weighted_accum.DynamicLossScale`: then at each close of a
+      non-empty window it adjusts once by GradScaler's rule on the window's
+      finiteness (a non-finite window is skipped), and the next window
+      starts at its new scale; ``window_counters(state)['loss_scale']`` is
+      the scale to multiply the loss by.
     axis_name: inside ``jax.shard_map`` over a data axis, its name(s): then
       ``weight`` is this replica's own item count and each microbatch's sums
       and weights are summed over the axis before they are added, so the
@@ -762,8 +796,13 @@ def weighted_multi_steps(
       (``sum(w * l) / weight``), ``"sum"`` when they are of its loss SUM.
     dtype: the work dtype of the accumulation buffers.
     loss_scale: the factor every loss of a window is multiplied by (for
-      float16 training); divided out once at the close. Change it per window
-      with ``update(..., next_loss_scale=...)``.
+      float16 training); divided out once at the close. A number (change it
+      per window with ``update(..., next_loss_scale=...)``) or a
+      :class:`~weighted_accum.DynamicLossScale`: then at each close of a
+      non-empty window it adjusts once by GradScaler's rule on the window's
+      finiteness (a non-finite window is skipped), and the next window
+      starts at its new scale; ``window_counters(state)['loss_scale']`` is
+      the scale to multiply the loss by.
     axis_name: inside ``jax.shard_map`` over a data axis, its name(s).
       Then ``weight`` is this replica's own item count and each microbatch's
       gradient sums and weights are summed over the axis before they are
