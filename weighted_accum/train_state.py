@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from flax.training import train_state
+import jax.numpy as jnp
 import optax
 
 __all__ = ["TrainState"]
@@ -48,6 +49,15 @@ class TrainState(train_state.TrainState):
     >>> int(state.step), int(state.opt_state.gradient_step)
     (2, 1)
   """
+
+  @classmethod
+  def create(cls, *, apply_fn: Any, params: Any, tx: Any,
+             **kwargs: Any) -> TrainState:
+    """As flax's ``create``, with ``step`` an int32 array (not the Python
+    int 0), so a fresh state is a restore template of the saved one and a
+    jitted step is not traced twice."""
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    return state.replace(step=jnp.asarray(state.step, jnp.int32))
 
   def apply_gradients(self, *, grads: Any, weight: Any, finish: Any = None,
                       next_loss_scale: Any = None,
