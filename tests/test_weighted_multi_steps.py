@@ -8,6 +8,8 @@ to a full-batch gradient, float64 NumPy arithmetic.
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import flax.linen as nn
 import jax
@@ -499,3 +501,36 @@ def test_linen_train_state_orbax_round_trip(tmp_path):
     restored = _linen_step(restored, *mb)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(full)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- the docs pages' examples -------------------------------------------------------
+
+_DOCS = pathlib.Path(__file__).parent.parent / "docs"
+_REGION = re.compile(r"<!-- BEGIN (\S+) -->\n(.*?)<!-- END \1 -->", re.S)
+_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+_EXPECTED = re.compile(r"^[ \t]*print\(.*\)\s+#\s?(.*?)\s*$", re.M)
+_PAGES = ("optax.md", "migration.md")
+
+
+def _regions():
+  for page in _PAGES:
+    text = (_DOCS / page).read_text()
+    assert text.count("```python") == sum(
+        len(_BLOCK.findall(m.group(2))) for m in _REGION.finditer(text)), (
+            f"docs/{page}: a python block outside a BEGIN/END region")
+    for m in _REGION.finditer(text):
+      yield pytest.param(page, m.group(2), id=f"{page}::{m.group(1)}")
+
+
+@pytest.mark.parametrize("page,region", list(_regions()))
+def test_docs_examples_run_and_print_what_they_claim(page, region, capsys,
+                                                     tmp_path, monkeypatch):
+  """Each BEGIN/END region of docs/optax.md and docs/migration.md runs in a
+  fresh namespace; a ``print(...)  # expected`` line states its output."""
+  monkeypatch.chdir(tmp_path)
+  blocks = _BLOCK.findall(region)
+  namespace = {}
+  for block in blocks:
+    exec(compile(block, f"docs/{page}", "exec"), namespace)  # pylint: disable=exec-used
+  want = [e for b in blocks for e in _EXPECTED.findall(b)]
+  assert want and capsys.readouterr().out.splitlines() == want
