@@ -66,8 +66,10 @@ class WeightedMultiStepsState(NamedTuple):
     updated: bool, the last call closed a window and applied the inner
       update (see :func:`has_updated`).
     nonfinite: bool, the last call closed a window whose pending gradients,
-      or whose inner updates, held NaN/Inf: nothing was applied, the inner
-      optimizer was not advanced, and the next window starts clean.
+      or whose inner updates, held NaN/Inf: nothing was applied and the next
+      window starts clean. For NaN/Inf gradients the inner optimizer was not
+      advanced; for NaN/Inf updates its state has taken the step (keeping
+      the previous one would copy it on every call).
     nonfinite_windows: int32, windows discarded as non-finite since ``init``.
     empty_windows: int32, closes of a window with zero total weight since
       ``init``. Such a window applies nothing and is not lost: its counters
@@ -636,10 +638,12 @@ class WeightedMultiSteps:
   A close with zero total weight (every microbatch fully masked) applies
   nothing, does not advance the inner optimizer and is not lost: the window
   stays open and its counters carry into the next one. A close whose pending
-  gradients, or whose inner updates, hold NaN/Inf (a float16 loss-scale
-  overflow) applies nothing, does not advance the inner optimizer, sets
-  ``state.nonfinite`` and discards the window, so the next window starts
-  clean. ``state.gradient_step`` counts applied windows.
+  gradients hold NaN/Inf (a float16 loss-scale overflow) applies nothing,
+  does not advance the inner optimizer, sets ``state.nonfinite`` and
+  discards the window, so the next window starts clean. A close whose inner
+  updates come out NaN/Inf applies nothing and is flagged the same way (the
+  inner state has taken that step). ``state.gradient_step`` counts applied
+  windows.
 
   Args:
     opt: the optimizer to apply once per window (any optax transform; extra
