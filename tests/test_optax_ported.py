@@ -322,7 +322,6 @@ def test_multi_steps_mixed_precision(case):
   ms_opt_update = functools.partial(ms_opt_update, weight=1)
   ref = optax.MultiSteps(getattr(optax, opt_name)(**opt_kwargs), k_steps)
 
-  @functools.partial(jax.jit, static_argnums=(3, 4))
   def train_step(data, opt_state, params, opt_update_fn, upd_dtype):
     grad = jax.grad(loss_apply)(params, data)
     grad = jax.tree.map(lambda x: x.astype(upd_dtype), grad)
@@ -332,27 +331,37 @@ def test_multi_steps_mixed_precision(case):
     return jax.tree.all(
         jax.tree.map(lambda x, y: x.dtype == y.dtype, tree1, tree2))
 
+  @functools.partial(jax.jit, static_argnums=(1, 2))
+  def run(data, upd_dtype, param_dtype):
+    """optax's loop for one dtype pair, traced once (one compilation)."""
+    params = loss.init({"params": jax.random.key(0)}, data,
+                       param_dtype=param_dtype)["params"]
+    opt_state = opt.init(params)
+    ms_opt_state = ms_opt_init(params)
+    ref_state = ref.init(params)
+    steps = []
+    for _ in range(k_steps + 1):
+      updates, opt_state = train_step(data, opt_state, params, opt.update,
+                                      upd_dtype)
+      ms_updates, ms_opt_state = train_step(data, ms_opt_state, params,
+                                            ms_opt_update, upd_dtype)
+      ref_updates, ref_state = train_step(data, ref_state, params,
+                                          ref.update, upd_dtype)
+      new_params = optax.apply_updates(params, ms_updates)
+      steps.append((updates, ms_updates, ref_updates, params, new_params))
+      params = new_params
+    return steps
+
   dtypes = [jnp.float32, jnp.float16, jnp.bfloat16]
   for upd_dtype in dtypes:
     for param_dtype in dtypes:
       data = data.astype(param_dtype)
-      params = loss.init({"params": jax.random.key(0)}, data,
-                         param_dtype=param_dtype)["params"]
-      opt_state = opt.init(params)
-      ms_opt_state = ms_opt_init(params)
-      ref_state = ref.init(params)
-      for _ in range(k_steps + 1):
-        updates, opt_state = train_step(data, opt_state, params, opt.update,
-                                        upd_dtype)
-        ms_updates, ms_opt_state = train_step(data, ms_opt_state, params,
-                                              ms_opt_update, upd_dtype)
-        ref_updates, ref_state = train_step(data, ref_state, params,
-                                            ref.update, upd_dtype)
+      for updates, ms_updates, ref_updates, params, new_params in run(
+          data, upd_dtype, param_dtype):
         get_dtypes = lambda tree: jax.tree.map(lambda x: x.dtype, tree)
         assert compare_dtypes(updates, ms_updates), (
             "Underlying optimizer and MultiSteps updates dtype must match. "
             f"Got ({get_dtypes(updates)}) vs ({get_dtypes(ms_updates)}).")
-        new_params = optax.apply_updates(params, ms_updates)
         assert compare_dtypes(params, new_params), (
             "Updates parameters dtypes must match. "
             f"Got ({get_dtypes(params)}) vs ({get_dtypes(new_params)}).")
@@ -361,7 +370,6 @@ def test_multi_steps_mixed_precision(case):
           assert np.all(np.isfinite(np.asarray(got, np.float32))) or not (
               np.all(np.isfinite(np.asarray(want, np.float32)))), (
                   upd_dtype, param_dtype)
-        params = new_params
 
 
 # -- test_gradient_accumulation (alias, factorized, contrib) ---------------------
