@@ -1,0 +1,345 @@
+"""In-step microbatching: one call splits a batch into K microbatches, runs
+them one after another in a loop and returns the exact weighted mean gradient.
+
+``microbatched_value_and_grad`` builds the step function (its ``.accumulate``
+adds one call into an open window instead); ``optax_accumulator`` plugs the
+same exact weighting into ``optax.microbatching.microbatch``. Rationale,
+memory and all-reduce figures: ``docs/microbatching.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from weighted_accum import core
+from weighted_accum import distributed as dist
+from weighted_accum import errors
+from weighted_accum import state as state_lib
+from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.state import AccumState
+from weighted_accum.state import AccumulatedGradients
+
+MODES = ("sum", "mean")
+
+__all__ = ["MODES", "microbatched_value_and_grad", "optax_accumulator"]
+
+_F32 = jnp.float32
+
+
+# ------------------------------------------------------------ validation --
+
+def _nums(value: Any, name: str) -> tuple[int, ...]:
+  nums = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+  if not nums or not all(isinstance(n, (int, np.integer)) and not
+                         isinstance(n, bool) and n >= 0 for n in nums):
+    raise WeightedAccumulationError(
+        f"microbatched_value_and_grad({name}={value!r}): expected a "
+        "non-negative int or a non-empty tuple of them (positional argument "
+        "indices of loss_fn).")
+  if len(set(nums)) != len(nums):
+    raise WeightedAccumulationError(
+        f"microbatched_value_and_grad({name}={value!r}): repeated index.")
+  return tuple(int(n) for n in nums)
+
+
+def _check_config(num_microbatches: Any, mode: Any, argnums: Any,
+                  batch_argnums: Any, dtype: Any, loss_scale: Any):
+  what = "microbatched_value_and_grad"
+  if (isinstance(num_microbatches, bool) or
+      not isinstance(num_microbatches, (int, np.integer)) or
+      num_microbatches < 1):
+    raise WeightedAccumulationError(
+        f"{what}(num_microbatches={num_microbatches!r}): expected a positive "
+        "Python int (the loop length is static; pass num_real_microbatches "
+        "to run fewer without recompiling).")
+  if mode not in MODES:
+    raise WeightedAccumulationError(
+        f"{what}(mode={mode!r}): expected one of {MODES}: 'sum' when loss_fn "
+        "returns the microbatch's loss SUM, 'mean' when it returns the SUM "
+        "divided by the weight.")
+  diff, batch = _nums(argnums, "argnums"), _nums(batch_argnums,
+                                                 "batch_argnums")
+  both = sorted(set(diff) & set(batch))
+  if both:
+    raise WeightedAccumulationError(
+        f"{what}: argument {both[0]} is in both argnums and batch_argnums; "
+        "the differentiated params and the split batch must be different "
+        "arguments.")
+  dt = errors.check_floating_dtype(dtype, what=f"{what}(dtype=...)")
+  if loss_scale is not None and not hasattr(loss_scale, "adjust"):
+    errors.check_loss_scale(loss_scale, what=f"{what}(loss_scale=...)")
+  return int(num_microbatches), diff, batch, dt
+
+
+def _split(args: tuple, batch_nums: tuple[int, ...], k: int) -> dict:
+  """Each batch argument reshaped to ``(B // K, K, ...)``: microbatch i is
+  ``[:, i]``, i.e. rows ``i::K`` (a data-sharded batch stays evenly spread)."""
+  what = "microbatched_value_and_grad"
+  if max(batch_nums) >= len(args):
+    raise WeightedAccumulationError(
+        f"{what}: batch_argnums {batch_nums} but the function was called "
+        f"with {len(args)} positional argument(s).")
+  sizes, out = [], {}
+  for n in batch_nums:
+    for path, x in zip(errors.leaf_paths(args[n]), jax.tree.leaves(args[n])):
+      if np.ndim(x) == 0:
+        raise WeightedAccumulationError(
+            f"{what}: batch argument {n} leaf {path} is a scalar; every batch "
+            "leaf needs a leading batch axis (pass it as another argument).")
+      sizes.append((np.shape(x)[0], n, path))
+  b = sizes[0][0] if sizes else 0
+  for size, n, path in sizes:
+    if size != b or size % k:
+      raise WeightedAccumulationError(
+          f"{what}: batch argument {n} leaf {path} has {size} rows; every "
+          f"batch leaf needs the same leading size, divisible by "
+          f"num_microbatches={k} (first leaf: {b} rows). Pad the batch (with "
+          "zero weight) to a multiple of num_microbatches.")
+  for n in batch_nums:
+    out[n] = jax.tree.map(
+        lambda x: jnp.reshape(x, (x.shape[0] // k, k) + x.shape[1:]), args[n])
+  return out
+
+
+def _real_count(n: Any, k: int) -> Any:
+  """``num_real_microbatches`` as a traced-friendly int32 in ``[0, K]``."""
+  if n is None:
+    return None
+  if not errors.is_traced(n):
+    v = np.asarray(n)
+    if v.ndim or not np.issubdtype(v.dtype, np.integer) or not 0 <= v <= k:
+      raise WeightedAccumulationError(
+          f"microbatched_value_and_grad: num_real_microbatches={n!r} must be "
+          f"an integer scalar in [0, {k}] (num_microbatches).")
+  elif not jnp.issubdtype(jnp.result_type(n), jnp.integer) or jnp.ndim(n):
+    raise WeightedAccumulationError(
+        "microbatched_value_and_grad: num_real_microbatches must be an "
+        f"integer scalar, got {jax.typeof(n)}.")
+  # A traced value out of range is clipped (it cannot raise under jit).
+  return jnp.clip(jnp.asarray(n, jnp.int32), 0, k)
+
+
+# --------------------------------------------------------------- the loop --
+
+def _one_microbatch(loss_fn: Callable, has_aux: bool, mode: str):
+  """``loss_fn`` as a differentiable function of the args and the scale:
+  returns ``(loss * scale, (loss, weight, aux))``."""
+
+  def scaled(scale, *args):
+    res = loss_fn(*args)
+    (loss, weight), aux = res if has_aux else (res, None)
+    loss = jnp.asarray(loss)
+    if loss.ndim or not jnp.issubdtype(loss.dtype, jnp.floating):
+      raise WeightedAccumulationError(
+          f"microbatched_value_and_grad(loss_fn): the loss is "
+          f"{jax.typeof(loss)}, expected a floating scalar (the microbatch's "
+          f"loss {mode.upper()}).")
+    if jnp.ndim(weight):
+      raise WeightedAccumulationError(
+          "microbatched_value_and_grad(loss_fn): the weight has shape "
+          f"{jnp.shape(weight)}, expected a scalar (the microbatch's item "
+          "count, e.g. mask.sum()).")
+    return (loss.astype(_F32) * scale.astype(_F32),
+            (loss, jnp.asarray(weight, _F32), aux))
+
+  return scaled
+
+
+def _take(args: tuple, split: dict, i: Any) -> list:
+  out = list(args)
+  for n, tree in split.items():
+    out[n] = jax.tree.map(
+        lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False), tree)
+  return out
+
+
+def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
+          n_real: Any):
+  """Runs the microbatches into ``state``. Returns ``(state, loss_sum,
+  weight_sum, rejected, aux_stack)``; loss and weight are this call's."""
+  k, diff, axes = cfg["k"], cfg["argnums"], cfg["axes"]
+  scaled = _one_microbatch(cfg["loss_fn"], cfg["has_aux"], cfg["mode"])
+  nums = tuple(n + 1 for n in diff)  # argument 0 of `scaled` is the scale
+  vg = (jax.value_and_grad(scaled, argnums=nums, has_aux=True) if axes is None
+        else dist.local_value_and_grad(scaled, axes, argnums=nums,
+                                       has_aux=True))
+  single = isinstance(cfg["argnums_in"], (int, np.integer))
+  acc = core.accumulate_mean if cfg["mode"] == "mean" else core.accumulate_sum
+  scale = state.loss_scale
+  aux_shape = jax.eval_shape(lambda *a: scaled(scale, *a)[1][2],
+                             *_take(args, split, 0))
+  aux_buf = jax.tree.map(lambda s: jnp.zeros((k,) + s.shape, s.dtype),
+                         aux_shape)
+  zero = jnp.zeros((), _F32)
+  sums = (zero, zero, jnp.zeros((), jnp.int32))
+  if axes is not None:  # per-replica carry leaves (a loop carry keeps types)
+    sums, aux_buf = dist._to_varying((sums, aux_buf), axes)  # pylint: disable=protected-access
+  carry = (state, sums, aux_buf)
+
+  def body(i, carry):
+    st, (loss_sum, w_sum, rejected), aux_buf = carry
+    (_, (loss, w, aux)), grads = vg(scale, *_take(args, split, i))
+    st = acc(st, grads[0] if single else grads, w)
+    ok = jnp.isfinite(w) & (w >= 0)
+    take = ok & (w > 0)
+    part = loss.astype(_F32) * w if cfg["mode"] == "mean" else loss
+    loss_sum = loss_sum + jnp.where(take, part.astype(_F32), 0.0)
+    w_sum = w_sum + jnp.where(take, w, 0.0)
+    rejected = rejected + jnp.where(ok, 0, 1).astype(jnp.int32)
+    aux_buf = jax.tree.map(lambda b, a: b.at[i].set(a), aux_buf, aux)
+    return st, (loss_sum, w_sum, rejected), aux_buf
+
+  upper = k if n_real is None else n_real
+  st, (loss_sum, w_sum, rejected), aux = jax.lax.fori_loop(0, upper, body,
+                                                           carry)
+  return st, loss_sum, w_sum, rejected, aux
+
+
+def _finish(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
+            axes: tuple[str, ...] | None):
+  """The exact mean loss and gradient; across ``axes`` one reduction of the
+  gradient sums, the weights, the loss sum and the rejection count."""
+  ok = jnp.isfinite(loss_sum) & (rejected == 0)
+  if axes is None:
+    out, _ = core.finish_mean(st)
+    loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
+    return loss, out.replace(finite=out.finite & jnp.isfinite(loss_sum),
+                             valid=out.valid & ok)
+  local, _ = core.finish_sums(st)
+  ls = st.loss_scale.astype(_F32)
+  # Extra float32 leaves ride in the same psum; reduce_sums divides them by
+  # the loss scale and the global weight like the gradient sums.
+  extra = (loss_sum * ls, jnp.where(ok, 0.0, 1.0) * ls)
+  red = dist.reduce_sums(local.replace(grads=(local.grads, extra)), axes)
+  grads, (loss, bad) = red.grads
+  return loss, red.replace(grads=grads, valid=red.valid & (bad == 0))
+
+
+def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
+  if not isinstance(state, AccumState):
+    raise WeightedAccumulationError(
+        "microbatched_value_and_grad(...).accumulate(state): expected an "
+        f"AccumState (from wa.init), got {type(state).__name__}.")
+  if axes is None:
+    return state
+  per_replica = ("grads", "issued", "zero_weight", "rejected", "weight_hi",
+                 "weight_lo")
+  return state.replace(**{
+      f: dist._to_varying(getattr(state, f), axes)  # pylint: disable=protected-access
+      for f in per_replica})
+
+
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any], num_microbatches: int, *, mode: str = "sum",
+    has_aux: bool = False, argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1, dtype: Any = jnp.float32,
+    loss_scale: float | jax.Array = 1.0,
+    axis_name: str | Sequence[str] | None = None) -> Callable[..., Any]:
+  """``jax.value_and_grad`` over K microbatches in one loop, exact.
+
+  The batch arguments are split into ``num_microbatches`` microbatches,
+  microbatch ``k`` holding rows ``k::K``; one loop iteration computes one
+  microbatch's loss and gradient and adds it to work-dtype buffers with
+  :func:`weighted_accum.accumulate_sum` (or ``accumulate_mean``), so only
+  one microbatch's activations are live at a time. The result is divided
+  once: it equals the gradient of the full batch's mean loss
+  ``sum(loss sums) / sum(weights)`` whatever the weights per microbatch.
+
+  Args:
+    loss_fn: called as ``loss_fn(*args)`` on one microbatch; returns
+      ``(loss, weight)``, or ``((loss, weight), aux)`` with ``has_aux``.
+      ``weight`` is the microbatch's effective item count (e.g.
+      ``mask.sum()``), not differentiated.
+    num_microbatches: K, a positive int; the batch size must be divisible
+      by it.
+    mode: ``"sum"``: ``loss`` is the microbatch's loss SUM over its items;
+      ``"mean"``: it is that sum divided by ``weight`` (a fully masked
+      microbatch, 0/0, adds nothing).
+    has_aux: whether ``loss_fn`` returns an aux value.
+    argnums: the positional argument(s) to differentiate (the params; any
+      pytree, ``nnx.State`` included).
+    batch_argnums: the positional argument(s) to split (any pytrees whose
+      leaves share a leading batch axis).
+    dtype: the accumulation work dtype.
+    loss_scale: each microbatch's loss is multiplied by it before
+      differentiating; divided out once at the end (float16: e.g. 2**12).
+    axis_name: call ``f`` inside ``jax.shard_map`` over this data axis (or
+      axes) with this replica's rows: gradients are local and the call does
+      ONE all-reduce of the sums and weights after the loop.
+
+  Returns:
+    ``f(*args, num_real_microbatches=None)`` returning ``(loss, out)``, or
+    ``((loss, aux), out)``: ``loss`` the exact float32 mean loss, ``aux``
+    stacked on a leading K axis (microbatch order, zeros where skipped),
+    ``out`` an :class:`~weighted_accum.AccumulatedGradients` (mean gradient
+    in ``dtype``, total weight, ``issued``, ``finite``, ``valid``; ``valid``
+    is also false when a microbatch's weight was negative or non-finite:
+    such a microbatch is dropped). ``num_real_microbatches`` (an int, traced
+    or not) runs only microbatches ``k < num_real_microbatches``; the others
+    are not computed and no recompilation happens across values.
+    ``f.accumulate(state, *args, num_real_microbatches=None)`` adds the
+    call's microbatches to an open window ``state`` without finishing and
+    returns ``((loss_sum, weight), state)`` (``(((loss_sum, weight), aux),
+    state)`` with ``has_aux``), the call's unscaled loss sum and weight; it
+    uses the state's work dtype and loss scale.
+
+  Raises:
+    WeightedAccumulationError: for an invalid configuration, batch leaves
+      whose leading sizes differ or are not divisible by K, a loss that is
+      not a floating scalar, an unbound ``axis_name``, or (eagerly) a call
+      whose total weight is 0.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> def loss_fn(w, batch):            # batch: (x, mask)
+    ...   x, mask = batch
+    ...   return jnp.sum(mask * (x * w) ** 2), mask.sum()
+    >>> x = jnp.arange(8.0)
+    >>> mask = jnp.array([1., 1, 1, 0, 1, 0, 0, 0])
+    >>> f = jax.jit(wa.microbatched_value_and_grad(loss_fn, 4))
+    >>> loss, out = f(jnp.float32(1.0), (x, mask))
+    >>> full = jax.grad(lambda w: loss_fn(w, (x, mask))[0] / 4)(1.0)
+    >>> float(loss), float(out.grads), float(full), float(out.weight)
+    (5.25, 10.5, 10.5, 4.0)
+  """
+  k, diff, batch, dt = _check_config(num_microbatches, mode, argnums,
+                                     batch_argnums, dtype, loss_scale)
+  single = isinstance(argnums, (int, np.integer))
+  what = "microbatched_value_and_grad"
+  cfg = dict(k=k, argnums=diff, argnums_in=argnums, loss_fn=loss_fn,
+             has_aux=has_aux, mode=mode)
+
+  def prepare(args, n_real):
+    axes = None if axis_name is None else dist._axes(axis_name, what)  # pylint: disable=protected-access
+    if max(diff) >= len(args):
+      raise WeightedAccumulationError(
+          f"{what}: argnums {diff} but the function was called with "
+          f"{len(args)} positional argument(s).")
+    params = args[diff[0]] if single else tuple(args[i] for i in diff)
+    return axes, params, _split(args, batch, k), _real_count(n_real, k)
+
+  def f(*args, num_real_microbatches=None):
+    axes, params, split, n_real = prepare(args, num_real_microbatches)
+    st = (state_lib.init(params, dt, loss_scale) if axes is None
+          else dist.init(params, axes, dt, loss_scale))
+    st, loss_sum, _, rejected, aux = _loop(dict(cfg, axes=axes), st, args,
+                                           split, n_real)
+    loss, out = _finish(st, loss_sum, rejected, axes)
+    return ((loss, aux), out) if has_aux else (loss, out)
+
+  def accumulate(state, *args, num_real_microbatches=None):
+    axes, _, split, n_real = prepare(args, num_real_microbatches)
+    st = _to_window(state, axes)
+    st, loss_sum, w_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split,
+                                        n_real)
+    value = (loss_sum, w_sum)
+    return ((value, aux) if has_aux else value), st
+
+  f.accumulate = accumulate
+  return f
