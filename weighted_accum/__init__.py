@@ -19,6 +19,8 @@ from weighted_accum.distributed import local_grad
 from weighted_accum.distributed import local_value_and_grad
 from weighted_accum.distributed import reduce_sums
 from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.microbatch import microbatched_value_and_grad
+from weighted_accum.microbatch import optax_accumulator
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
@@ -49,6 +51,8 @@ __all__ = (
     "init",
     "local_grad",
     "local_value_and_grad",
+    "microbatched_value_and_grad",
+    "optax_accumulator",
     "reduce_sums",
     "weighted_multi_steps",
     "window_counters",

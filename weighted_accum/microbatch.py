@@ -343,3 +343,117 @@ def microbatched_value_and_grad(
 
   f.accumulate = accumulate
   return f
+
+
+# ------------------------------------------------- optax.microbatching --
+
+def _unpack_value(value: Any) -> tuple[Any, Any, Any]:
+  try:
+    (loss, weight), grads = value
+  except (TypeError, ValueError):
+    raise WeightedAccumulationError(
+        "optax_accumulator: each microbatch's value must be ((loss, weight), "
+        "grads), as returned by jax.value_and_grad(loss_fn, has_aux=True) "
+        f"with loss_fn returning (loss, weight); got {type(value).__name__}."
+    ) from None
+  return loss, weight, grads
+
+
+def _aggregate(values: Any, mean: bool) -> Any:
+  """Per-example values (leading axis) folded into one microbatch value of
+  the same mode: sums, or weighted means over the positive weights."""
+  loss, weight, grads = _unpack_value(values)
+  w = jnp.asarray(weight, _F32)
+  if not mean:
+    return ((jnp.sum(loss, 0), jnp.sum(w, 0)),
+            jax.tree.map(lambda g: jnp.sum(g, 0), grads))
+  take = w > 0
+  total = jnp.sum(jnp.where(take, w, 0.0))
+  inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+
+  def wmean(x):
+    t = jnp.reshape(take, take.shape + (1,) * (x.ndim - 1))
+    ww = jnp.reshape(w, t.shape)
+    s = jnp.sum(jnp.where(t, x.astype(_F32) * ww, 0.0), 0)
+    return (s * inv).astype(x.dtype)
+
+  return (wmean(loss), total), jax.tree.map(wmean, grads)
+
+
+def optax_accumulator(mode: str = "sum", dtype: Any = jnp.float32) -> Any:
+  """An exact weighted ``optax.microbatching.Accumulator``.
+
+  A drop-in for ``accumulator=AccumulationType.MEAN`` in
+  ``optax.microbatching.microbatch`` (optax >= 0.2.7): the microbatched
+  function returns ``((loss, weight), grads)`` (``jax.value_and_grad(loss_fn,
+  has_aux=True)`` of a ``loss_fn`` returning ``(loss, weight)``), and the
+  result is ``((mean_loss, total_weight), mean_grads)``, the exact
+  full-batch values, where MEAN divides by the microbatch count (equal
+  weights whatever each microbatch's item count). The carry is an
+  :class:`~weighted_accum.AccumState`: ``accumulate_sum``/``accumulate_mean``
+  add, ``finish_mean`` divides once.
+
+  Args:
+    mode: ``"sum"`` when ``loss`` is the microbatch's loss SUM, ``"mean"``
+      when it is the SUM divided by ``weight`` (0/0 microbatches add
+      nothing).
+    dtype: the gradient buffers' work dtype.
+
+  Returns:
+    An ``optax.microbatching.Accumulator``.
+
+  Raises:
+    WeightedAccumulationError: for an unknown mode, a non-floating dtype, an
+      optax without ``optax.microbatching``, or a value that is not
+      ``((loss, weight), grads)``; eagerly, for a total weight of 0.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import weighted_accum as wa
+    >>> def loss_fn(w, x, mask):          # a per-microbatch masked mean
+    ...   n = mask.sum()
+    ...   return jnp.sum(mask * (x * w) ** 2) / jnp.maximum(n, 1), n
+    >>> x = jnp.arange(8.0)
+    >>> mask = jnp.array([1., 1, 1, 1, 1, 1, 0, 0])
+    >>> f = optax.microbatching.microbatch(
+    ...     jax.value_and_grad(loss_fn, has_aux=True), argnums=(1, 2),
+    ...     microbatch_size=2, accumulator=wa.optax_accumulator('mean'))
+    >>> (loss, weight), grads = f(1.0, x, mask)
+    >>> float(loss), float(weight), float(grads)   # (0+1+4+9+16+25) / 6
+    (9.166666984558105, 6.0, 18.33333396911621)
+  """
+  try:
+    from optax import microbatching  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # optax < 0.2.7
+    raise WeightedAccumulationError(
+        "optax_accumulator needs optax.microbatching (optax >= 0.2.7); "
+        "upgrade optax or use microbatched_value_and_grad.") from e
+  if mode not in MODES:
+    raise WeightedAccumulationError(
+        f"optax_accumulator(mode={mode!r}): expected one of {MODES}.")
+  dt = errors.check_floating_dtype(dtype, what="optax_accumulator(dtype=...)")
+  mean = mode == "mean"
+  acc = core.accumulate_mean if mean else core.accumulate_sum
+
+  def init(value):
+    _, _, grads = _unpack_value(value)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
+    return state_lib.init(zeros, dt), jnp.zeros((), _F32)
+
+  def update(carry, value, _):
+    st, loss_sum = carry
+    loss, weight, grads = _unpack_value(value)
+    w = jnp.asarray(weight, _F32)
+    part = loss.astype(_F32) * w if mean else jnp.asarray(loss, _F32)
+    take = jnp.isfinite(w) & (w > 0)
+    return acc(st, grads, w), loss_sum + jnp.where(take, part, 0.0)
+
+  def finalize(carry):
+    st, loss_sum = carry
+    out, _ = core.finish_mean(st)
+    loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
+    return (loss, out.weight), out.grads
+
+  return microbatching.Accumulator(
+      init=init, update=update, finalize=finalize,
+      aggregate=lambda values: _aggregate(values, mean))
