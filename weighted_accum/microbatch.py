@@ -161,7 +161,8 @@ def _take(args: tuple, split: dict, i: Any) -> list:
 def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
           n_real: Any):
   """Runs the microbatches into ``state``. Returns ``(state, loss_sum,
-  weight_sum, rejected, aux_stack)``; loss and weight are this call's."""
+  weight_sum, aux_stack)``: this call's loss sum and (with
+  ``cfg["track_weight"]``, else None) weight; the state counts rejections."""
   k, diff, axes = cfg["k"], cfg["argnums"], cfg["axes"]
   scaled = _one_microbatch(cfg["loss_fn"], cfg["has_aux"], cfg["mode"])
   nums = tuple(n + 1 for n in diff)  # argument 0 of `scaled` is the scale
@@ -176,28 +177,25 @@ def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
   aux_buf = jax.tree.map(lambda s: jnp.zeros((k,) + s.shape, s.dtype),
                          aux_shape)
   zero = jnp.zeros((), _F32)
-  sums = (zero, zero, jnp.zeros((), jnp.int32))
+  sums = (zero, zero) if cfg.get("track_weight") else (zero,)
   if axes is not None:  # per-replica carry leaves (a loop carry keeps types)
     sums, aux_buf = dist._to_varying((sums, aux_buf), axes)  # pylint: disable=protected-access
   carry = (state, sums, aux_buf)
 
   def body(i, carry):
-    st, (loss_sum, w_sum, rejected), aux_buf = carry
+    st, sums, aux_buf = carry
     (_, (loss, w, aux)), grads = vg(scale, *_take(args, split, i))
     st = acc(st, grads[0] if single else grads, w)
-    ok = jnp.isfinite(w) & (w >= 0)
-    take = ok & (w > 0)
+    take = jnp.isfinite(w) & (w > 0)
     part = loss.astype(_F32) * w if cfg["mode"] == "mean" else loss
-    loss_sum = loss_sum + jnp.where(take, part.astype(_F32), 0.0)
-    w_sum = w_sum + jnp.where(take, w, 0.0)
-    rejected = rejected + jnp.where(ok, 0, 1).astype(jnp.int32)
+    new = (part.astype(_F32), w)[:len(sums)]
+    sums = tuple(x + jnp.where(take, y, 0.0) for x, y in zip(sums, new))
     aux_buf = jax.tree.map(lambda b, a: b.at[i].set(a), aux_buf, aux)
-    return st, (loss_sum, w_sum, rejected), aux_buf
+    return st, sums, aux_buf
 
   upper = k if n_real is None else n_real
-  st, (loss_sum, w_sum, rejected), aux = jax.lax.fori_loop(0, upper, body,
-                                                           carry)
-  return st, loss_sum, w_sum, rejected, aux
+  st, sums, aux = jax.lax.fori_loop(0, upper, body, carry)
+  return st, sums[0], (sums[1] if len(sums) > 1 else None), aux
 
 
 def _finish(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
@@ -328,16 +326,16 @@ def microbatched_value_and_grad(
     axes, params, split, n_real = prepare(args, num_real_microbatches)
     st = (state_lib.init(params, dt, loss_scale) if axes is None
           else dist.init(params, axes, dt, loss_scale))
-    st, loss_sum, _, rejected, aux = _loop(dict(cfg, axes=axes), st, args,
-                                           split, n_real)
-    loss, out = _finish(st, loss_sum, rejected, axes)
+    st, loss_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split,
+                                 n_real)
+    loss, out = _finish(st, loss_sum, st.rejected, axes)
     return ((loss, aux), out) if has_aux else (loss, out)
 
   def accumulate(state, *args, num_real_microbatches=None):
     axes, _, split, n_real = prepare(args, num_real_microbatches)
     st = _to_window(state, axes)
-    st, loss_sum, w_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split,
-                                        n_real)
+    st, loss_sum, w_sum, aux = _loop(dict(cfg, axes=axes, track_weight=True),
+                                     st, args, split, n_real)
     value = (loss_sum, w_sum)
     return ((value, aux) if has_aux else value), st
 
