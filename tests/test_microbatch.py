@@ -5,6 +5,7 @@ biased), the compiled HLO and XLA's memory analysis."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 from flax import nnx
@@ -492,3 +493,16 @@ def test_invalid_weight_from_loss_fn_makes_the_call_invalid():
       lambda p, b: (sum_loss(p, b)[0], -b["mask"].sum()), 4))
   _, out = f(p, batch)
   assert not bool(out.valid)
+
+
+def test_docs_page_examples_run(capsys):
+  """Every python block of docs/microbatching.md runs, in order, in one
+  namespace (their asserts check the claims against references)."""
+  page = pathlib.Path(__file__).parent.parent / "docs" / "microbatching.md"
+  blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+  assert len(blocks) >= 5
+  ns = {}
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"docs/microbatching.md block {i}", "exec"), ns)  # pylint: disable=exec-used
+  out = capsys.readouterr().out
+  assert "all-reduces in the compiled step: 1" in out
