@@ -16,6 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum import _counters
+from weighted_accum import _finish
+from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import distributed as dist
 from weighted_accum import errors
@@ -86,7 +89,7 @@ def _split(args: tuple, batch_nums: tuple[int, ...], k: int) -> dict:
         f"with {len(args)} positional argument(s).")
   sizes, out = [], {}
   for n in batch_nums:
-    for path, x in zip(errors.leaf_paths(args[n]), jax.tree.leaves(args[n])):
+    for path, x in zip(_tree.leaf_paths(args[n]), jax.tree.leaves(args[n])):
       if np.ndim(x) == 0:
         raise WeightedAccumulationError(
             f"{what}: batch argument {n} leaf {path} is a scalar; every batch "
@@ -198,8 +201,8 @@ def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
   return st, sums[0], (sums[1] if len(sums) > 1 else None), aux
 
 
-def _finish(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
-            axes: tuple[str, ...] | None):
+def _conclude(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
+              axes: tuple[str, ...] | None):
   """The exact mean loss and gradient; across ``axes`` one reduction of the
   gradient sums, the weights, the loss sum and the rejection count."""
   ok = jnp.isfinite(loss_sum) & (rejected == 0)
@@ -208,14 +211,18 @@ def _finish(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
     loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
     return loss, out.replace(finite=out.finite & jnp.isfinite(loss_sum),
                              valid=out.valid & ok)
-  local, _ = core.finish_sums(st)
-  ls = st.loss_scale.astype(_F32)
-  # Extra float32 leaves ride in the same psum; reduce_sums divides them by
-  # the loss scale and the global weight like the gradient sums.
-  extra = (loss_sum * ls, jnp.where(ok, 0.0, 1.0) * ls)
-  red = dist.reduce_sums(local.replace(grads=(local.grads, extra)), axes)
-  grads, (loss, bad) = red.grads
-  return loss, red.replace(grads=grads, valid=red.valid & (bad == 0))
+  # The loss sum and the rejection count ride in the window's one psum.
+  scalars = {k: getattr(st, k) for k in _counters.named(_counters.SUMMED)}
+  scalars.update(loss_sum=loss_sum, bad=jnp.where(ok, 0.0, 1.0))
+  sums, sc = _finish.psum_window(
+      st.grads, scalars, axes,
+      vma_on=dist._vma_checked(axes))  # pylint: disable=protected-access
+  weight = sc["weight_hi"] + sc["weight_lo"]
+  out = _finish.result(sums, weight, st.loss_scale, sc["issued"], mean=True,
+                       require_weight=True)
+  loss = jnp.where(weight > 0, sc["loss_sum"] / weight, 0.0)
+  return loss, out.replace(finite=out.finite & jnp.isfinite(sc["loss_sum"]),
+                           valid=out.valid & (sc["bad"] == 0))
 
 
 def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
@@ -225,8 +232,8 @@ def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
         f"AccumState (from wa.init), got {type(state).__name__}.")
   if axes is None:
     return state
-  per_replica = ("grads", "issued", "zero_weight", "rejected", "weight_hi",
-                 "weight_lo")
+  per_replica = (("grads",) + _counters.named(_counters.SUMMED) +
+                 _counters.named(_counters.LOCAL))
   return state.replace(**{
       f: dist._to_varying(getattr(state, f), axes)  # pylint: disable=protected-access
       for f in per_replica})
@@ -328,7 +335,7 @@ def microbatched_value_and_grad(
           else dist.init(params, axes, dt, loss_scale))
     st, loss_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split,
                                  n_real)
-    loss, out = _finish(st, loss_sum, st.rejected, axes)
+    loss, out = _conclude(st, loss_sum, st.rejected, axes)
     return ((loss, aux), out) if has_aux else (loss, out)
 
   def accumulate(state, *args, num_real_microbatches=None):
