@@ -267,6 +267,34 @@ def test_float16_work_dtype_with_loss_scale_close_to_float32():
   assert float(out.loss_scale) == 2.0**12
 
 
+def test_dynamic_loss_scale_and_per_call_scale_without_recompiling():
+  k, p = 4, _params()
+  batch = _batch(_mask_with_empty_microbatch(k, seed=15))
+  ref = full_batch(p, batch)[1]
+  traces = []
+
+  def loss_fn(p, b):
+    traces.append(1)
+    return sum_loss(p, b)
+
+  scaler = wa.DynamicLossScale(2.0**10)
+  f = jax.jit(wa.microbatched_value_and_grad(loss_fn, k, loss_scale=scaler))
+  _, out = f(p, batch)
+  assert float(out.loss_scale) == 2.0**10 and rel_err(out.grads, ref) <= 1e-5
+  scaler = scaler.adjust(out.finite)
+  seen = []
+  for scale in (scaler, wa.DynamicLossScale(8.0), jnp.float32(3.0),
+                jnp.float32(5.0)):
+    _, out = f(p, batch, loss_scale=scale)
+    assert rel_err(out.grads, ref) <= 1e-5
+    assert float(out.loss_scale) == float(getattr(scale, "scale", scale))
+    seen.append(len(traces))
+  # One trace per kind of scale passed, none per value.
+  assert seen[0] == seen[1] and seen[2] == seen[3]
+  with pytest.raises(wa.WeightedAccumulationError, match="loss_scale"):
+    wa.microbatched_value_and_grad(loss_fn, k)(p, batch, loss_scale=-1.0)
+
+
 # ------------------------------------------------------------- 4. memory --
 
 def _wide_mlp_loss(p, batch):

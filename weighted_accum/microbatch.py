@@ -24,6 +24,7 @@ from weighted_accum import distributed as dist
 from weighted_accum import errors
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 
@@ -74,9 +75,17 @@ def _check_config(num_microbatches: Any, mode: Any, argnums: Any,
         "the differentiated params and the split batch must be different "
         "arguments.")
   dt = errors.check_floating_dtype(dtype, what=f"{what}(dtype=...)")
-  if loss_scale is not None and not hasattr(loss_scale, "adjust"):
-    errors.check_loss_scale(loss_scale, what=f"{what}(loss_scale=...)")
+  _scale_of(loss_scale, f"{what}(loss_scale=...)")
   return int(num_microbatches), diff, batch, dt
+
+
+def _scale_of(loss_scale: Any, what: str) -> Any:
+  """The loss scale value: a number or scalar array, or a
+  :class:`~weighted_accum.DynamicLossScale`'s current ``scale``."""
+  if isinstance(loss_scale, DynamicLossScale):
+    return loss_scale.scale
+  errors.check_loss_scale(loss_scale, what=what)
+  return loss_scale
 
 
 def _split(args: tuple, batch_nums: tuple[int, ...], k: int) -> dict:
@@ -273,13 +282,18 @@ def microbatched_value_and_grad(
     dtype: the accumulation work dtype.
     loss_scale: each microbatch's loss is multiplied by it before
       differentiating; divided out once at the end (float16: e.g. 2**12).
+      A number, a scalar array, or a :class:`~weighted_accum.DynamicLossScale`
+      (its ``scale``; adjust it with ``out.finite`` after the step). ``f``'s
+      own ``loss_scale=`` keyword overrides it per call (a traced value
+      does not recompile).
     axis_name: call ``f`` inside ``jax.shard_map`` over this data axis (or
       axes) with this replica's rows: gradients are local and the call does
       ONE all-reduce of the sums and weights after the loop.
 
   Returns:
     ``f(*args, num_real_microbatches=None)`` returning ``(loss, out)``, or
-    ``((loss, aux), out)``: ``loss`` the exact float32 mean loss, ``aux``
+    ``((loss, aux), out)`` (``f(*args, num_real_microbatches=None,
+    loss_scale=None)``): ``loss`` the exact float32 mean loss, ``aux``
     stacked on a leading K axis (microbatch order, zeros where skipped),
     ``out`` an :class:`~weighted_accum.AccumulatedGradients` (mean gradient
     in ``dtype``, total weight, ``issued``, ``finite``, ``valid``; ``valid``
@@ -317,6 +331,7 @@ def microbatched_value_and_grad(
                                      batch_argnums, dtype, loss_scale)
   single = isinstance(argnums, (int, np.integer))
   what = "microbatched_value_and_grad"
+  default_scale = _scale_of(loss_scale, f"{what}(loss_scale=...)")
   cfg = dict(k=k, argnums=diff, argnums_in=argnums, loss_fn=loss_fn,
              has_aux=has_aux, mode=mode)
 
@@ -329,10 +344,12 @@ def microbatched_value_and_grad(
     params = args[diff[0]] if single else tuple(args[i] for i in diff)
     return axes, params, _split(args, batch, k), _real_count(n_real, k)
 
-  def f(*args, num_real_microbatches=None):
+  def f(*args, num_real_microbatches=None, loss_scale=None):
     axes, params, split, n_real = prepare(args, num_real_microbatches)
-    st = (state_lib.init(params, dt, loss_scale) if axes is None
-          else dist.init(params, axes, dt, loss_scale))
+    ls = default_scale if loss_scale is None else _scale_of(
+        loss_scale, f"{what}(...)(loss_scale=...)")
+    st = (state_lib.init(params, dt, ls) if axes is None
+          else dist.init(params, axes, dt, ls))
     st, loss_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split,
                                  n_real)
     loss, out = _conclude(st, loss_sum, st.rejected, axes)
