@@ -223,9 +223,8 @@ def _conclude(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
   # The loss sum and the rejection count ride in the window's one psum.
   scalars = {k: getattr(st, k) for k in _counters.named(_counters.SUMMED)}
   scalars.update(loss_sum=loss_sum, bad=jnp.where(ok, 0.0, 1.0))
-  sums, sc = _finish.psum_window(
-      st.grads, scalars, axes,
-      vma_on=dist._vma_checked(axes))  # pylint: disable=protected-access
+  sums, sc = _finish.psum_window(st.grads, scalars, axes,
+                                 vma_on=_tree.vma_checked(axes))
   weight = sc["weight_hi"] + sc["weight_lo"]
   out = _finish.result(sums, weight, st.loss_scale, sc["issued"], mean=True,
                        require_weight=True)
