@@ -411,6 +411,40 @@ def test_shard_map_per_replica_outputs_agree():
     assert float(jnp.max(jnp.ptp(g, axis=0))) == 0
 
 
+def test_shard_map_aux_per_replica_and_accumulate_into_a_replica_window():
+  n_dev = jax.device_count()
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  p, batch = _params(), _dp_batch(n_dev, 4, seed=3)
+  ref = full_batch(p, batch)[1]
+
+  def loss_fn(p, b):
+    s, n = sum_loss(p, b)
+    return (s, n), n
+
+  f = wa.microbatched_value_and_grad(loss_fn, 2, has_aux=True,
+                                     axis_name="data")
+  (_, aux), out = jax.jit(jax.shard_map(
+      f, mesh=mesh, in_specs=(P(), P("data")),
+      out_specs=((P(), P("data")), P())))(p, batch)
+  np.testing.assert_array_equal(   # replica r's aux[i] = its rows i::2
+      aux, np.asarray(batch["mask"]).reshape(n_dev, 2, 2).sum(1).ravel())
+  assert rel_err(out.grads, ref) <= 1e-5
+  g = wa.microbatched_value_and_grad(sum_loss, 2, axis_name="data")
+
+  def two_calls(p, b):   # a plain wa.init window, finished once per replica
+    st = wa.init(p)
+    (_, n1), st = g.accumulate(st, p, b)
+    (_, n2), st = g.accumulate(st, p, jax.tree.map(lambda x: x[::-1], b))
+    out, _ = wa.distributed.finish_mean(st, "data")
+    return out.grads, out.weight, jax.lax.psum(n1 + n2, "data")
+
+  grads, weight, n = jax.jit(jax.shard_map(
+      two_calls, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))(
+          p, batch)
+  assert float(weight) == float(n) == 2 * float(batch["mask"].sum())
+  assert rel_err(grads, ref) <= 1e-5
+
+
 # ----------------------------------------- 6. implicit jit, 4x2 mesh --
 
 def test_implicit_jit_on_data_model_mesh_exact_and_shardings_kept():
