@@ -317,7 +317,7 @@ def _wide_mlp(n=1024, d=16, h=256):
 def _while_bodies(hlo: str) -> dict[str, str]:
   """Every computation reachable from a while body (name -> text)."""
   comps = dict(re.findall(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}",
-                          hlo, re.S | re.M))
+                          hlo, re.DOTALL | re.MULTILINE))
   todo = re.findall(r"while\([^\n]*body=%?([\w.\-]+)", hlo)
   seen = {}
   while todo:
@@ -561,7 +561,7 @@ def test_docs_page_examples_run(capsys):
   """Every python block of docs/microbatching.md runs, in order, in one
   namespace (their asserts check the claims against references)."""
   page = pathlib.Path(__file__).parent.parent / "docs" / "microbatching.md"
-  blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+  blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.DOTALL)
   assert len(blocks) >= 5
   ns = {}
   for i, code in enumerate(blocks):

@@ -26,7 +26,6 @@ from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.state import AccumState
-from weighted_accum.state import AccumulatedGradients
 
 MODES = ("sum", "mean")
 
