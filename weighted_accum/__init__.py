@@ -23,10 +23,14 @@ from weighted_accum.distributed import reduce_sums
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.loss_scale import set_loss_scale
+from weighted_accum.microbatch import microbatched_value_and_grad
+from weighted_accum.microbatch import optax_accumulator
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
 from weighted_accum.state import init
+from weighted_accum.train_state import TrainState
+from weighted_accum.transform import WeightedMultiSteps
 from weighted_accum.transform import WeightedMultiStepsState
 from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
@@ -44,7 +48,9 @@ __all__ = (
     "AccumState",
     "AccumulatedGradients",
     "DynamicLossScale",
+    "TrainState",
     "WeightedAccumulationError",
+    "WeightedMultiSteps",
     "WeightedMultiStepsState",
     "abstract_state",
     "accumulate_mean",
@@ -58,6 +64,8 @@ __all__ = (
     "init",
     "local_grad",
     "local_value_and_grad",
+    "microbatched_value_and_grad",
+    "optax_accumulator",
     "reduce_sums",
     "set_loss_scale",
     "weighted_multi_steps",
