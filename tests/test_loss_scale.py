@@ -650,3 +650,33 @@ def test_mixed_precision_doc_examples_run(capsys):
     where = f"docs/mixed_precision.md block {i}"
     exec(compile(code, where, "exec"), namespace)  # pylint: disable=exec-used
   assert "windows skipped while backing off" in capsys.readouterr().out
+
+
+def test_wrapper_state_checkpoint_restores_the_scaler(tmp_path):
+  """Property 4 with the wrapper: its state saved between windows comes back
+  with the same scale and tracker, and the resumed run equals the
+  uninterrupted one."""
+  tx = wa.weighted_multi_steps(
+      optax.sgd(0.1), every_k=2,
+      loss_scale=wa.DynamicLossScale(2.0**6, growth_interval=3))
+  params = {"w": jnp.zeros(3, jnp.float32)}
+  flags = [True, False, True, True, True, True]
+
+  def run(state, windows):
+    for w in windows:
+      scale = float(wa.window_counters(state)["loss_scale"])
+      for j in range(2):
+        g = np.full(3, (w + j + 1) * scale if flags[w] or j else np.nan)
+        _, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state,
+                             params, weight=1 + j)
+    return state
+
+  want = run(tx.init(params), range(6))
+  mid = run(tx.init(params), range(3))
+  _save(tmp_path / "ckpt", mid)
+  got = _restore(tmp_path / "ckpt", tx.init(params))
+  assert (float(got.loss_scaler.scale), int(got.loss_scaler.growth_tracker)) \
+      == (float(mid.loss_scaler.scale), int(mid.loss_scaler.growth_tracker))
+  got = run(got, range(3, 6))
+  assert (float(got.loss_scaler.scale), int(got.loss_scaler.growth_tracker)) \
+      == (float(want.loss_scaler.scale), int(want.loss_scaler.growth_tracker))
