@@ -27,6 +27,7 @@ from weighted_accum.transform import WeightedMultiStepsState
 from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
 from weighted_accum.transform import window_counters
+from weighted_accum.window import apply_window
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = (
     "abstract_state",
     "accumulate_mean",
     "accumulate_sum",
+    "apply_window",
     "checkpoint",
     "distributed",
     "finish_mean",
