@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum import _placement
 from weighted_accum import errors
 from weighted_accum import tally
 from weighted_accum.errors import WeightedAccumulationError
@@ -121,7 +122,8 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
   """
   dtype = x.dtype if dtype is None else dtype
   if isinstance(x, jax.Array) and not errors.is_traced(x):
-    return jnp.zeros(x.shape, dtype, device=x.sharding)
+    # Keeps x's sharding and whether it is committed (see _placement).
+    return jnp.zeros_like(x, dtype=dtype)
   if errors.is_traced(x):
     return jnp.where(jnp.zeros_like(x, dtype=bool), x, 0).astype(dtype)
   return jnp.zeros(np.shape(x), dtype)
@@ -176,8 +178,8 @@ def init(params: Any, dtype: Any = jnp.float32,
       hint="Only floating params have gradients: pass just the trainable "
       "leaves, e.g. nnx.state(model, nnx.Param).")
   buffers = jax.tree.map(lambda p: zeros_like(p, dt), params)
-  return AccumState(grads=buffers, dtype=dt,
-                    **_counters(loss_scale=loss_scale))
+  return AccumState(grads=buffers, dtype=dt, **_placement.commit_like(
+      _counters(loss_scale=loss_scale), buffers))
 
 
 def _concrete_counter(counters: Mapping[str, Any], name: str,
@@ -269,6 +271,8 @@ def _place(buf: Any, param: Any, path: str, dtype: jnp.dtype) -> jax.Array:
             f"but its param is on {target}. Restore it onto the param's "
             "sharding (e.g. jax.device_put(buf, param.sharding)).")
       return buf
+    if not param.committed:  # as the param: on the default device, free
+      return jnp.asarray(np.asarray(buf, dtype))
     return jax.device_put(np.asarray(buf, dtype), target)
   return jnp.asarray(buf, dtype)
 
@@ -333,4 +337,4 @@ def from_buffers(params: Any, buffers: Any,
             "microbatches add to the buffers). Buffers and counters come from "
             "different saves: restore them together.")
   return AccumState(grads=jax.tree.unflatten(treedef, placed), dtype=dtype,
-                    **_counters(**c))
+                    **_placement.commit_like(_counters(**c), placed))

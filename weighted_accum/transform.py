@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from weighted_accum import _placement
 from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
@@ -298,11 +299,14 @@ def weighted_multi_steps(
     # twice.
     count = lambda: jnp.zeros((), jnp.int32)
     flag = lambda: jnp.zeros((), jnp.bool_)
-    return WeightedMultiStepsState(
+    # Scalars committed like the params (the inner state's too): a step's
+    # outputs are, and jit would compile its second call again.
+    return _placement.commit_like(WeightedMultiStepsState(
         inner_state=inner_tx.init(params),
         accum=state_lib.init(params, dtype=work_dtype, loss_scale=loss_scale),
         mini_step=count(), gradient_step=count(), updated=flag(),
-        nonfinite=flag(), nonfinite_windows=count(), empty_windows=count())
+        nonfinite=flag(), nonfinite_windows=count(), empty_windows=count()),
+                                  params)
 
   def update_fn(updates: Any, state: WeightedMultiStepsState,
                 params: Any = None, *, weight: Any, finish: Any = None,
