@@ -321,3 +321,40 @@ def _reference_plain(tx, params, opt_state):
   g = jax.tree.map(lambda p: np.asarray(p) / 2.0, params)
   updates, _ = tx.update(g, opt_state, params)
   return optax.apply_updates(params, updates)
+
+
+def test_dynamic_loss_scale_sets_the_next_window_and_backs_off(variant):
+  """A scaler as next_loss_scale means its scale; adjusting it by the closed
+  window's finiteness afterwards (the documented pattern) backs off after an
+  overflowing window and the next window uses the lowered scale."""
+  tx = optax.sgd(1.0)
+  params = {"w": jnp.array([1.0, 2.0])}
+  scaler = wa.DynamicLossScale(2.0**10, growth_interval=100)
+  state = wa.init(params, dtype=jnp.float16, loss_scale=scaler.scale)
+
+  def step(params, opt_state, state, scaler, g, w):
+    state = wa.accumulate_mean(state, g, w)
+    params, opt_state, state, out = wa.apply_window(
+        tx, state, params, opt_state, next_loss_scale=scaler)
+    scaler = scaler.adjust(out.finite)
+    return params, opt_state, wa.set_loss_scale(state, scaler), scaler, out
+
+  step = variant(step)
+  before = _bits(params)
+  inf_grads = {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}
+  params, opt_state, state, scaler, out = step(
+      params, tx.init(params), state, scaler, inf_grads, 4.0)
+  assert not bool(out.finite) and _bits(params) == before
+  assert float(scaler.scale) == 2.0**9
+  assert float(state.loss_scale) == 2.0**9 and int(state.issued) == 0
+  g = {"w": jnp.array([2.0**9 * 0.5, -(2.0**9)], jnp.float16)}
+  params, _, state, scaler, out = step(params, opt_state, state, scaler, g,
+                                       2.0)
+  assert bool(out.valid) and float(out.loss_scale) == 2.0**9
+  np.testing.assert_allclose(np.asarray(params["w"]), [0.5, 3.0])
+  assert float(state.loss_scale) == 2.0**9
+  # The scaler itself as next_loss_scale: its scale becomes the next one's.
+  state = wa.accumulate_sum(state, {"w": jnp.ones(2, jnp.float16)}, 1)
+  _, _, state, _ = wa.apply_window(tx, state, params, tx.init(params),
+                                   next_loss_scale=wa.DynamicLossScale(8.0))
+  assert float(state.loss_scale) == 8.0

@@ -19,12 +19,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from jax.sharding import SingleDeviceSharding
 
-from weighted_accum import errors
+from weighted_accum._tree import is_traced
 
 
 def _committed_arrays(tree: Any) -> list[jax.Array]:
   return [x for x in jax.tree.leaves(tree)
-          if isinstance(x, jax.Array) and not errors.is_traced(x)
+          if isinstance(x, jax.Array) and not is_traced(x)
           and x.committed]
 
 
@@ -62,7 +62,7 @@ def commit_like(tree: Any, params: Any) -> Any:
     return tree
 
   def place(x):
-    if (isinstance(x, jax.Array) and not errors.is_traced(x)
+    if (isinstance(x, jax.Array) and not is_traced(x)
         and x.ndim == 0 and not x.committed):
       return jax.device_put(x, sharding)
     return x

@@ -16,28 +16,14 @@ from jax import lax
 import jax.numpy as jnp
 import optax
 
-from weighted_accum import core
+from weighted_accum import _finish
+from weighted_accum import _tree
 from weighted_accum import errors
-from weighted_accum import tally
+from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 
 __all__ = ["apply_window", "close"]
-
-
-def _mean_like(buffers: Any, loss_scale: jax.Array, weight: jax.Array,
-               like: list[Any]) -> Any:
-  """The window's mean gradient, in each ``like`` leaf's dtype.
-
-  Divided in at least float32 (by the loss scale, then by the weight) and
-  never rounded to a narrower work dtype on the way: the mean of float16
-  sums can exceed float16's range when ``weight * loss_scale < 1``.
-  """
-  leaves, treedef = jax.tree.flatten(buffers)
-  wide = [b.astype(core.compute_dtype(b.dtype)) for b in leaves]
-  mean, _ = core.normalise(wide, loss_scale, weight)
-  return jax.tree.unflatten(treedef, [
-      m.astype(jnp.result_type(p)) for m, p in zip(mean, like)])
 
 
 def _fill_like(x: jax.Array, value: jax.Array) -> jax.Array:
@@ -47,61 +33,52 @@ def _fill_like(x: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def close(state: AccumState, operands: Any,
-          apply: Callable[[Any, Any], Any], skip: Callable[[Any], Any], *,
-          like: list[Any], next_loss_scale: Any = None
-          ) -> tuple[Any, AccumState, AccumulatedGradients]:
+          apply: Callable[[Any, Any], Any], skip: Callable[[Any, Any], Any],
+          *, next_loss_scale: Any = None
+          ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
   """The close kernel shared by :func:`apply_window` and the optax wrapper.
 
-  Reads the pending sums once for their finiteness, then, in one
-  ``lax.cond`` on the window's validity, either ``apply(mean, operands)``
-  (the optimizer's work, handed the window's mean gradient, computed inside
-  the branch so that XLA fuses the division into the optimizer's loops) or
-  ``skip(operands)`` (an invalid window: nothing advances). The buffers are
-  reset after the conditional by a select on a flag the conditional
-  returns: that data dependence orders the reset after every read of the
-  buffers, so XLA writes the zeros in place instead of copying the donated
-  buffers first (fresh zeros, with no such dependence, cost a
-  parameter-sized copy).
+  The window's sums, weight and finiteness come from the one finish path
+  (read in place, before anything else); then one ``lax.cond`` on the
+  window's validity runs either ``apply(mean, operands)`` (the optimizer's
+  work, handed the window's mean gradient in at least float32, divided
+  inside the branch so that XLA fuses the division into the optimizer's
+  loops) or ``skip(sums, operands)`` (an invalid window: nothing advances).
 
   Args:
     state: the window to close.
     operands: what ``apply`` and ``skip`` transform (e.g. params and the
       optimizer state); passed through the conditional.
     apply: ``(mean_grads, operands) -> result`` for a valid window.
-    skip: ``operands -> result`` (same structure) for an invalid one.
-    like: one leaf per buffer whose dtype the mean gradient is given in.
+    skip: ``(sums, operands) -> result`` (same structure) for an invalid
+      one; ``sums`` are the pending buffers.
     next_loss_scale: the next window's loss scale (``None``: unchanged; an
       invalid traced value keeps the current one).
 
   Returns:
-    ``(result, new_state, out)``. ``out.grads`` is ``None``: the mean went to
-    ``apply``. A window of zero total weight keeps its counters (its buffers
-    are zero, see :mod:`weighted_accum.state`); any other window is reset.
+    ``(result, zero, new_state, out)``. ``zero`` is a float32 0 computed by
+    the conditional: filling the next window's buffers from it orders that
+    write after every read of the old buffers, so XLA reuses them in place
+    (fresh zeros, with no such dependence, make it copy the donated buffers
+    first). ``new_state`` is the next window (a window of zero total weight
+    keeps its counters; its buffers are zero); ``out`` describes the closed
+    window, with ``grads=None``.
   """
-  weight = tally.join_traced(state.weight_hi, state.weight_lo)
-  finite = core.all_finite(state.grads)
-  nonempty = weight > 0
-  valid = finite & nonempty
+  out, new_state = _finish.finish(state, mean=False, keep_empty=True,
+                                  next_loss_scale=next_loss_scale)
 
-  def valid_branch(buffers, operands):
-    mean = _mean_like(buffers, state.loss_scale, weight, like)
+  def valid_branch(sums, operands):
+    mean = _finish.divide(sums, out.loss_scale, out.weight, wide=True)
     return apply(mean, operands), jnp.zeros((), jnp.float32)
 
-  def invalid_branch(buffers, operands):
-    del buffers
+  def invalid_branch(sums, operands):
     # 0 as well (the weight is finite and non-negative), but not a constant
-    # XLA could forward out of the conditional.
-    return skip(operands), jnp.minimum(weight, 0)
+    # that XLA could forward out of the conditional.
+    return skip(sums, operands), jnp.minimum(out.weight, 0)
 
-  result, zero = lax.cond(valid, valid_branch, invalid_branch, state.grads,
-                          operands)
-  buffers = jax.tree.map(lambda b: _fill_like(b, zero), state.grads)
-  reset = core._reset(state, core._next_scale(state, next_loss_scale))  # pylint: disable=protected-access
-  new_state = core.keep_unless(nonempty, reset.replace(grads=buffers), state)
-  out = AccumulatedGradients(grads=None, weight=weight,
-                             loss_scale=state.loss_scale, issued=state.issued,
-                             finite=finite, valid=valid)
-  return result, new_state, out
+  result, zero = lax.cond(out.valid, valid_branch, invalid_branch,
+                          out.grads, operands)
+  return result, zero, new_state, out.replace(grads=None)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -112,12 +89,17 @@ def _apply_window_kernel(tx: optax.GradientTransformation, state: AccumState,
 
   def apply(mean, operands):
     params, opt_state = operands
+    leaves, treedef = jax.tree.flatten(mean)
+    mean = jax.tree.unflatten(treedef, [
+        m.astype(jnp.result_type(p)) for m, p in zip(leaves, like)])
     updates, opt_state = tx.update(mean, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  (params, opt_state), state, out = close(
-      state, (params, opt_state), apply, lambda operands: operands,
-      like=like, next_loss_scale=next_loss_scale)
+  (params, opt_state), zero, state, out = close(
+      state, (params, opt_state), apply, lambda sums, operands: operands,
+      next_loss_scale=next_loss_scale)
+  state = state.replace(
+      grads=jax.tree.map(lambda b: _fill_like(b, zero), state.grads))
   return params, opt_state, state, out
 
 
@@ -149,7 +131,13 @@ def apply_window(tx: optax.GradientTransformation, state: AccumState,
     params: the params the window's gradients belong to (same leaf paths and
       shapes as the buffers).
     opt_state: ``tx``'s state.
-    next_loss_scale: the next window's loss scale (default: unchanged).
+    next_loss_scale: the next window's loss scale (default: unchanged), a
+      scalar or a :class:`~weighted_accum.DynamicLossScale` (its ``scale``,
+      as :func:`~weighted_accum.set_loss_scale` takes it). To adjust a
+      scaler by this window's finiteness, do it after the call and set the
+      new window's scale: ``scaler = scaler.adjust(out.finite)``, then
+      ``state = wa.set_loss_scale(state, scaler)`` (the new window is empty,
+      so its scale may change).
 
   Returns:
     ``(params, opt_state, state, out)``: the updated params and optimizer
@@ -185,8 +173,10 @@ def apply_window(tx: optax.GradientTransformation, state: AccumState,
         f"apply_window(tx): {type(tx).__name__} is not an optax "
         "GradientTransformation (an object with init and update). Pass the "
         "optimizer itself, e.g. optax.adamw(1e-3).")
-  errors.match_tree(state.grads, params, what="apply_window(params)",
+  _tree.match_tree(state.grads, params, what="apply_window(params)",
                     ref_name="the accumulator's buffers")
+  if isinstance(next_loss_scale, DynamicLossScale):
+    next_loss_scale = next_loss_scale.scale
   if next_loss_scale is not None:
     errors.check_loss_scale(next_loss_scale,
                             what="apply_window(next_loss_scale=...)")
