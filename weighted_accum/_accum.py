@@ -70,7 +70,7 @@ def _kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
 
 
 def add(state: AccumState, leaves: list[Any], weight: Any, *, mean: bool,
-        checked: bool, name: str) -> AccumState:
+        checked: bool, name: str, placed: bool = False) -> AccumState:
   """Adds one microbatch whose ``leaves`` passed :func:`check_microbatch`.
 
   Under ``jit`` an invalid weight rejects the microbatch whole (counted in
@@ -82,8 +82,9 @@ def add(state: AccumState, leaves: list[Any], weight: Any, *, mean: bool,
         jnp.isfinite(w) & (w >= 0),
         name + ": weight {w} is not a finite non-negative item count; the "
         "microbatch was rejected (state.rejected counts it).", w=w)
-  return _kernel(state, _on_buffer_shardings(state, leaves), weight,
-                 mean=mean)
+  if not placed:  # else known to be on the buffers' shardings already
+    leaves = _on_buffer_shardings(state, leaves)
+  return _kernel(state, leaves, weight, mean=mean)
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
