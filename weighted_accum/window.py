@@ -2,8 +2,9 @@
 
 ``apply_window`` finishes the window, runs the optimizer once and applies its
 updates, in one conditional that an invalid window (non-finite or empty)
-skips entirely. The layout, and why it is near the memory-bandwidth floor,
-is in ``docs/performance.md``.
+skips entirely; its close kernel is shared with the optax wrapper. The
+layout, and why, is in ``docs/design.md`` ("Closing a window in the train
+step").
 """
 
 from __future__ import annotations
