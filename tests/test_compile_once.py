@@ -16,12 +16,12 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import weighted_accum as wa
 from weighted_accum import distributed as dist
@@ -102,12 +102,11 @@ def test_restored_state_step_compiles_once(template, placement):
   state = wa.accumulate_sum(wa.init(params), params, 5.0)
   tmpl = (wa.init(params) if template == "concrete"
           else wa.abstract_state(params))
-  with tempfile.TemporaryDirectory() as d:
-    with ocp.CheckpointManager(d) as mngr:
-      mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
-      mngr.wait_until_finished()
-      restored = mngr.restore(1, args=ocp.args.Composite(
-          accum=wa.AccumRestore(tmpl))).accum
+  with tempfile.TemporaryDirectory() as d, ocp.CheckpointManager(d) as mngr:
+    mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+    mngr.wait_until_finished()
+    restored = mngr.restore(1, args=ocp.args.Composite(
+        accum=wa.AccumRestore(tmpl))).accum
   assert _compiles(_accumulate_step(), restored, params) == 1
 
 

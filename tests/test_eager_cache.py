@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import weighted_accum as wa
-from weighted_accum import _accum
-from weighted_accum import _validation_cache
+from weighted_accum import _accum, _validation_cache
 
 PARAMS = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
 

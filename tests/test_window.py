@@ -8,19 +8,19 @@ applied.
 
 from __future__ import annotations
 
+import itertools
 import math
 
-from flax import nnx
-from hypothesis import given
-from hypothesis import settings
-from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import weighted_accum as wa
 from weighted_accum import toy
@@ -91,7 +91,7 @@ def splits(draw):
   bounds = [0, *cuts, n]
   kinds = draw(st.lists(st.sampled_from(["sum", "mean"]),
                         min_size=len(bounds) - 1, max_size=len(bounds) - 1))
-  return list(zip(bounds[:-1], bounds[1:])), kinds
+  return list(itertools.pairwise(bounds)), kinds
 
 
 # Optimizers linear in the gradient (Adam's first step is sign(g), which a

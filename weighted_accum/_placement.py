@@ -15,9 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from weighted_accum._tree import is_traced
 

@@ -18,8 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from weighted_accum import _accum
-from weighted_accum import errors
+from weighted_accum import _accum, errors
 from weighted_accum._tree import is_traced
 
 Tracer = jax.core.Tracer

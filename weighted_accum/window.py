@@ -10,19 +10,17 @@ step").
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
-from weighted_accum import _finish
-from weighted_accum import _tree
-from weighted_accum import errors
+from weighted_accum import _finish, _tree, errors
 from weighted_accum.loss_scale import DynamicLossScale
-from weighted_accum.state import AccumState
-from weighted_accum.state import AccumulatedGradients
+from weighted_accum.state import AccumState, AccumulatedGradients
 
 __all__ = ["apply_window", "close"]
 
