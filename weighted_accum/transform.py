@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from weighted_accum import _finish
 from weighted_accum import _placement
 from weighted_accum import _tree
 from weighted_accum import core
