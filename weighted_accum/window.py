@@ -2,7 +2,8 @@
 
 ``apply_window`` finishes the window, runs the optimizer once and applies its
 updates, in one conditional that an invalid window (non-finite or empty)
-skips entirely; its close kernel is shared with the optax wrapper. The
+skips entirely; its close kernel (``close``) is built to serve the optax
+wrapper's close too. The
 layout, and why, is in ``docs/design.md`` ("Closing a window in the train
 step").
 """
@@ -35,7 +36,7 @@ def close(state: AccumState, operands: Any,
           apply: Callable[[Any, Any], Any], skip: Callable[[Any, Any], Any],
           *, next_loss_scale: Any = None
           ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
-  """The close kernel shared by :func:`apply_window` and the optax wrapper.
+  """The close kernel of :func:`apply_window`, generic in what it applies.
 
   The window's sums, weight and finiteness come from the one finish path
   (read in place, before anything else); then one ``lax.cond`` on the
