@@ -491,6 +491,51 @@ def test_save_refuses_a_traced_scaler():
     jax.jit(save_inside)(wa.DynamicLossScale(2.0))
 
 
+# The optax wrapper (property 2) -----------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_wrapper_skips_backs_off_grows_and_unscales_each_window(jit):
+  """weighted_multi_steps(loss_scale=DynamicLossScale): against GradScaler's
+  rule for the scales and float64 SGD on the applied windows' weighted means
+  (each window's grads were scaled by the scale the wrapper reported for it)."""
+  k, lr = 3, 0.1
+  sizes = [[4, 9, 3], [5, 1, 7], [2, 2, 8], [6, 3, 1], [1, 1, 1], [7, 2, 5],
+           [3, 3, 3], [9, 4, 2]]
+  overflow = [False, True, False, False, False, True, True, False]
+  rng = np.random.default_rng(3)
+  mean_grads = rng.normal(size=(len(sizes), k, 4))
+  scaler = wa.DynamicLossScale(2.0**10, growth_interval=2, min_scale=2.0**8)
+  tx = wa.weighted_multi_steps(optax.sgd(lr), every_k=k, loss_scale=scaler)
+  params = {"w": jnp.zeros(4, jnp.float32)}
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  ref = np.zeros(4)
+  seen_scales = []
+  for w, (ns, over) in enumerate(zip(sizes, overflow)):
+    scale = float(wa.window_counters(state)["loss_scale"])
+    seen_scales.append(scale)
+    for j, n in enumerate(ns):
+      g = mean_grads[w, j] * scale
+      if over and j == 1:
+        g = np.full(4, np.inf)
+      updates, state = update({"w": jnp.asarray(g, jnp.float32)}, state,
+                              params, weight=n)
+      params = optax.apply_updates(params, updates)
+    assert bool(state.nonfinite) == over
+    if not over:
+      ref -= lr * (mean_grads[w] * np.array(ns)[:, None]).sum(0) / sum(ns)
+    np.testing.assert_allclose(params["w"], ref, rtol=1e-5, atol=1e-6)
+  rule = reference_run(2.0**10, [not o for o in overflow], growth_factor=2.0,
+                       backoff_factor=0.5, growth_interval=2,
+                       min_scale=2.0**8)
+  assert seen_scales[1:] == [s for s, _ in rule][:-1]
+  assert (float(state.loss_scaler.scale),
+          int(state.loss_scaler.growth_tracker)) == rule[-1]
+  assert int(state.nonfinite_windows) == sum(overflow)
+  assert int(state.gradient_step) == len(sizes) - sum(overflow)
+
+
 # Float16 training of the demo model (property 3) ------------------------------
 
 MICRO, ROWS, WINDOWS = 4, 16, 24
@@ -605,3 +650,33 @@ def test_mixed_precision_doc_examples_run(capsys):
     where = f"docs/mixed_precision.md block {i}"
     exec(compile(code, where, "exec"), namespace)  # pylint: disable=exec-used
   assert "windows skipped while backing off" in capsys.readouterr().out
+
+
+def test_wrapper_state_checkpoint_restores_the_scaler(tmp_path):
+  """Property 4 with the wrapper: its state saved between windows comes back
+  with the same scale and tracker, and the resumed run equals the
+  uninterrupted one."""
+  tx = wa.weighted_multi_steps(
+      optax.sgd(0.1), every_k=2,
+      loss_scale=wa.DynamicLossScale(2.0**6, growth_interval=3))
+  params = {"w": jnp.zeros(3, jnp.float32)}
+  flags = [True, False, True, True, True, True]
+
+  def run(state, windows):
+    for w in windows:
+      scale = float(wa.window_counters(state)["loss_scale"])
+      for j in range(2):
+        g = np.full(3, (w + j + 1) * scale if flags[w] or j else np.nan)
+        _, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state,
+                             params, weight=1 + j)
+    return state
+
+  want = run(tx.init(params), range(6))
+  mid = run(tx.init(params), range(3))
+  _save(tmp_path / "ckpt", mid)
+  got = _restore(tmp_path / "ckpt", tx.init(params))
+  assert (float(got.loss_scaler.scale), int(got.loss_scaler.growth_tracker)) \
+      == (float(mid.loss_scaler.scale), int(mid.loss_scaler.growth_tracker))
+  got = run(got, range(3, 6))
+  assert (float(got.loss_scaler.scale), int(got.loss_scaler.growth_tracker)) \
+      == (float(want.loss_scaler.scale), int(want.loss_scaler.growth_tracker))
