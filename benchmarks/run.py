@@ -366,6 +366,225 @@ def run_group(size_label: str, shapes: Any, gdtype: Any, args) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------
+# Issue 11: the closing step, one compile, the eager call, compile time.
+# ----------------------------------------------------------------------------
+
+
+def _bare_opt_step(tx):
+  """A bare donated ``tx.update + apply_updates`` (the closing baseline)."""
+
+  def step(state, grads):
+    params, opt_state = state
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def _apply_window_step(tx):
+  """The functional closing step: params, opt state, window donated, in the
+  order they are returned."""
+
+  def step(state):
+    params, opt_state, acc = state
+    params, opt_state, acc, _ = wa.apply_window(tx, acc, params, opt_state)
+    return params, opt_state, acc
+
+  return jax.jit(step, donate_argnums=0)
+
+
+def _refill(state):
+  """Marks the (zeroed) window as holding weight again, untimed, so the next
+  call does the whole close (the work is the same on zero buffers)."""
+  params, opt_state, acc = state
+  put = lambda v, like: jax.device_put(v, like.sharding)
+  return params, opt_state, acc.replace(
+      weight_hi=put(np.float32(7.0), acc.weight_hi),
+      issued=put(np.int32(1), acc.issued))
+
+
+def close_cases(shapes: Any) -> list[Case]:
+  """Closing steps against a bare donated optimizer step, same grads."""
+  params = make_tree(shapes, jnp.float32, 0)
+  grads = make_tree(shapes, jnp.float32, 1)
+  inner = _inner()
+  everything = dict(memory=True, donated=lambda s: s)
+  acc = wa.accumulate_sum(wa.init(params), grads, 7.0)
+  cases = [
+      Case("bare_opt_step", _bare_opt_step(inner),
+           _copy((params, inner.init(params))), (grads,),
+           what="jitted donated adamw tx.update + apply_updates (closing "
+           "baseline)", **everything),
+      Case("apply_window_close", _apply_window_step(inner),
+           _copy((params, inner.init(params), acc)), keep=_refill,
+           baseline="bare_opt_step",
+           what="wa.apply_window(adamw): finish, update, apply, reset; all "
+           "donated", **everything),
+  ]
+  if weighted_multi_steps is not None:
+    tx = weighted_multi_steps(_inner(), None)
+
+    def close(state, g, w):
+      params, opt_state = state
+      updates, opt_state = tx.update(g, opt_state, params, weight=w,
+                                     finish=jnp.bool_(True))
+      return optax.apply_updates(params, updates), opt_state
+
+    cases.append(Case(
+        "wrapper_close", jax.jit(close, donate_argnums=0),
+        _copy((params, tx.init(params))), (grads, jnp.float32(3.0)),
+        baseline="bare_opt_step",
+        what="weighted_multi_steps(adamw) closing call (finish=True) + "
+        "apply_updates, donated", **everything))
+  return cases
+
+
+def _small_leaves(n_layers: int) -> dict[str, Any]:
+  """``2 * n_layers`` small leaves: (64x64 + 64) per layer."""
+  return {f"layer_{i:03d}": {"kernel": (64, 64), "bias": (64,)}
+          for i in range(n_layers)}
+
+
+def eager_cases(n_layers: int) -> list[Case]:
+  """``accumulate_sum`` called eagerly vs the same call in the user's jit."""
+  shapes = _small_leaves(n_layers)
+  params = make_tree(shapes, jnp.float32, 0)
+  grads = make_tree(shapes, jnp.float32, 1)
+  w = jnp.float32(2.0)
+  return [
+      Case("jit_accumulate_small", jax.jit(wa.accumulate_sum),
+           wa.init(params), (grads, w),
+           what=f"jax.jit(wa.accumulate_sum), {2 * n_layers} small leaves"),
+      Case("eager_accumulate_small", wa.accumulate_sum, wa.init(params),
+           (grads, w), baseline="jit_accumulate_small",
+           what=f"wa.accumulate_sum eagerly, {2 * n_layers} small leaves"),
+  ]
+
+
+def run_cases(label: str, cases: list[Case], args, leaves: int,
+              n_params: int) -> list[dict]:
+  mem = {c.name: compile_and_analyse(c) for c in cases if c.memory}
+  times = interleaved(cases, args.runs, args.warmup)
+  med = {k: float(np.median(v)) for k, v in times.items()}
+  rows = []
+  for c in cases:
+    base = c.baseline or c.name
+    rows.append(dict(
+        size=label, params=n_params, leaves=leaves, grads_dtype="float32",
+        case=c.name, what=c.what, median_ms=med[c.name] * 1e3, baseline=base,
+        ratio=med[c.name] / med[base], runs=len(times[c.name]),
+        times_ms=[t * 1e3 for t in times[c.name]],
+        faulted_mb=float(np.median(c.faults)) * 4096 / 1e6,
+        memory=mem.get(c.name)))
+  return rows
+
+
+def compile_figures(n_layers: int, runs: int) -> dict[str, Any]:
+  """Compile time of the wrapper's train step vs ``optax.MultiSteps``' (a
+  fresh function each time, interleaved, median), and the compiles of a
+  user's jitted step over 3 calls from a freshly born state."""
+  shapes = _small_leaves(n_layers)
+  params = make_tree(shapes, jnp.float32, 0)
+  grads = make_tree(shapes, jnp.float32, 1)
+  w = jnp.float32(2.0)
+  txs = {"multisteps": lambda: optax.MultiSteps(_inner(), 4),
+         "wrapper": lambda: weighted_multi_steps(_inner(), 4)}
+  times: dict[str, list[float]] = {k: [] for k in txs}
+  rng = np.random.default_rng(0)
+  for _ in range(runs):
+    for name in rng.permutation(list(txs)):
+      tx = txs[name]()
+      fn = _train_step(tx, name == "wrapper")
+      state = (params, tx.init(params))
+      t0 = time.perf_counter()
+      fn.lower(state, grads, w).compile()
+      times[name].append(time.perf_counter() - t0)
+  med = {k: float(np.median(v)) for k, v in times.items()}
+
+  def compiles(step, state, *rest):
+    """``state = step(state, *rest)`` three times; executables compiled."""
+    for _ in range(3):
+      state = step(state, *rest)
+    jax.block_until_ready(state)
+    return step._cache_size()  # pylint: disable=protected-access
+
+  tx = _inner()
+  counts = {
+      "accumulate (wa.init)": compiles(
+          jax.jit(lambda s, p: wa.accumulate_mean(s, p, w)),
+          wa.init(params), params),
+      "apply_window step": compiles(
+          _apply_window_step(tx),
+          _copy((params, tx.init(params), wa.init(params)))),
+  }
+  if weighted_multi_steps is not None:
+    tx_wa = weighted_multi_steps(_inner(), 2)
+    counts["wrapper step (tx.init)"] = compiles(
+        _train_step(tx_wa, True), (_copy(params), tx_wa.init(params)), grads,
+        w)
+  return dict(leaves=2 * n_layers, runs=runs,
+              compile_s={k: med[k] for k in med},
+              compile_times_s=times,
+              compile_ratio=med["wrapper"] / med["multisteps"],
+              compiles_over_3_calls=counts)
+
+
+def issue11_rows(sizes: list[str], args) -> tuple[list[dict], dict]:
+  rows = []
+  for s in sizes:
+    shapes = tree_shapes(parse_size(s), layers=args.layers)
+    n = sum(math.prod(x) for x in _leaves(shapes))
+    t0 = time.perf_counter()
+    rows += run_cases(s, close_cases(shapes), args, len(_leaves(shapes)), n)
+    print(f"  {s} closing steps in {time.perf_counter() - t0:.1f}s",
+          flush=True)
+    gc.collect()
+  n_layers = 20 if args.smoke else 400
+  rows += run_cases(f"{2 * n_layers} leaves", eager_cases(n_layers), args,
+                    2 * n_layers, n_layers * (64 * 64 + 64))
+  comp = compile_figures(n_layers, args.compile_runs)
+  return rows, comp
+
+
+def issue11_checks(rows: list[dict], comp: dict | None) -> list[dict]:
+  limits = {"apply_window_close": 1.35, "wrapper_close": 1.75,
+            "eager_accumulate_small": 1.20}
+  checks = []
+  for r in rows:
+    if r["case"] in limits:
+      lim = limits[r["case"]]
+      checks.append(dict(
+          bar=f"{r['case']} / {r['baseline']}", size=r["size"],
+          grads_dtype=r["grads_dtype"], value=r["ratio"], limit=lim,
+          status="pass" if r["ratio"] <= lim else "miss", note=""))
+    m = r["memory"]
+    if m and r["case"] in ("apply_window_close", "wrapper_close"):
+      # Every array buffer; a freshly computed flag (a few bytes) may not be.
+      unaliased = m["buffer_bytes"] - m["alias_bytes"]
+      checks.append(dict(
+          bar=f"{r['case']}: every donated array aliased", size=r["size"],
+          grads_dtype=r["grads_dtype"], value=float(max(unaliased, 0)),
+          limit=64.0, status="pass" if unaliased <= 64 else "miss",
+          note=f"unaliased bytes; temp {m['temp_bytes']} bytes "
+          f"({m['temp_pct_of_buffers']:.3f}% of the donated)"))
+  if comp:
+    checks.append(dict(
+        bar="wrapper step compile time / optax.MultiSteps'",
+        size=f"{comp['leaves']} leaves", grads_dtype="float32",
+        value=comp["compile_ratio"], limit=1.0,
+        status="pass" if comp["compile_ratio"] <= 1.0 else "miss",
+        note=" vs ".join(f"{k} {v:.2f}s" for k, v in
+                         comp["compile_s"].items())))
+    for k, v in comp["compiles_over_3_calls"].items():
+      if v is not None:
+        checks.append(dict(
+            bar=f"compiles over 3 calls: {k}", size=f"{comp['leaves']} leaves",
+            grads_dtype="float32", value=float(v), limit=1.0,
+            status="pass" if v <= 1 else "miss", note=""))
+  return checks
+
+
+# ----------------------------------------------------------------------------
 # Case 5: end to end, a Flax NNX transformer.
 # ----------------------------------------------------------------------------
 
@@ -1071,6 +1290,12 @@ def main(argv=None) -> int:
   p.add_argument("--layers", type=int, default=None,
                  help="transformer blocks of the tree (default 12: 98 leaves)")
   p.add_argument("--no-e2e", action="store_true")
+  p.add_argument("--issue11", action="store_true",
+                 help="only the closing-step, eager-call and compile rows "
+                 "(with their baselines)")
+  p.add_argument("--compile-runs", type=int, default=None,
+                 help="compiles per variant for the compile-time row "
+                 "(default 5)")
   p.add_argument("--no-numpy", action="store_true")
   p.add_argument("--no-microbatch", action="store_true",
                  help="skip the in-step microbatching rows (issue 12)")
@@ -1146,7 +1371,8 @@ def main(argv=None) -> int:
   t_start = time.perf_counter()
   rows = []
   avail = available_bytes()
-  for s in sizes:
+  args.compile_runs = args.compile_runs or (2 if args.smoke else 5)
+  for s in [] if args.issue11 else sizes:
     need = parse_size(s) * 4 * TREES_ALIVE
     if avail is not None and need > 0.8 * avail:
       print(f"  skipping {s}: needs ~{need / 2**30:.1f} GiB, "
@@ -1155,12 +1381,18 @@ def main(argv=None) -> int:
     shapes = tree_shapes(parse_size(s), layers=args.layers)
     for gd in (jnp.float32,) if args.smoke else (jnp.float32, jnp.bfloat16):
       rows += run_group(s, shapes, gd, args)
-  e2e_res = None if args.no_e2e else e2e(e2e_cfg, args)
+  e2e_res = None if (args.no_e2e or args.issue11) else e2e(e2e_cfg, args)
   big = {r["size"] for r in rows if r["params"] >= 16 * M}
   checks = bar_checks(rows, e2e_res, big)
-  mb_res = None if args.no_microbatch else microbatch_bench(micro_cfg, args)
+  mb_res = (None if (args.no_microbatch or args.issue11)
+            else microbatch_bench(micro_cfg, args))
   if mb_res:
     checks += microbatch_checks(mb_res)
+  comp = None
+  if not args.microbatch_only:
+    rows11, comp = issue11_rows(sizes, args)
+    rows += rows11
+    checks += issue11_checks(rows11, comp)
   meta["seconds"] = time.perf_counter() - t_start
 
   png = out_dir / f"{stem}.png"
@@ -1170,7 +1402,8 @@ def main(argv=None) -> int:
     md += "\n".join(microbatch_markdown(mb_res)) + "\n"
   (out_dir / f"{stem}.md").write_text(md)
   (out_dir / f"{stem}.json").write_text(json.dumps(
-      dict(meta=meta, rows=rows, e2e=e2e_res, bar=checks, microbatch=mb_res),
+      dict(meta=meta, rows=rows, e2e=e2e_res, compile=comp, bar=checks,
+           microbatch=mb_res),
       indent=1))
   print()
   print(md)

@@ -35,6 +35,7 @@ from weighted_accum.transform import WeightedMultiStepsState
 from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
 from weighted_accum.transform import window_counters
+from weighted_accum.window import apply_window
 
 # The one version string is pyproject.toml's; installed metadata carries it.
 try:
@@ -55,6 +56,7 @@ __all__ = (
     "abstract_state",
     "accumulate_mean",
     "accumulate_sum",
+    "apply_window",
     "checkpoint",
     "distributed",
     "finish_mean",

@@ -116,7 +116,7 @@ def _kernel(state: AccumState, leaves: list[Any], weight: _inputs.Weight,
 
 
 def add(state: AccumState, leaves: list[Any], weight: Any, *, mean: bool,
-        checked: bool, name: str) -> AccumState:
+        checked: bool, name: str, placed: bool = False) -> AccumState:
   """Adds one microbatch whose ``leaves`` passed :func:`check_microbatch`.
 
   Under ``jit`` an invalid weight rejects the microbatch whole (counted in
@@ -130,7 +130,9 @@ def add(state: AccumState, leaves: list[Any], weight: Any, *, mean: bool,
         name + ": weight {w} is not a finite non-negative item count the "
         "weight tally holds; the microbatch was rejected (state.rejected "
         "counts it).", w=jnp.asarray(weight).astype(jnp.float32))
-  return _kernel(state, _on_buffer_shardings(state, leaves), w, mean=mean)
+  if not placed:  # else known to be on the buffers' shardings already
+    leaves = _on_buffer_shardings(state, leaves)
+  return _kernel(state, leaves, w, mean=mean)
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:

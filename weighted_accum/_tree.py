@@ -177,7 +177,9 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
   """
   dtype = x.dtype if dtype is None else dtype
   if isinstance(x, jax.Array) and not is_traced(x):
-    return jnp.zeros(x.shape, dtype, device=x.sharding)
+    # Keeps x's sharding and whether it is committed: a state born from
+    # uncommitted params stays uncommitted, as a jitted step returns it.
+    return jnp.zeros_like(x, dtype=dtype)
   if is_traced(x):
     return jnp.where(jnp.zeros_like(x, dtype=bool), x, 0).astype(dtype)
   # A jax.ShapeDtypeStruct (the jax.eval_shape way to describe a large model)

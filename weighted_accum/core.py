@@ -18,6 +18,7 @@ from weighted_accum import _accum
 from weighted_accum import _finish
 from weighted_accum import _inputs
 from weighted_accum import _tree
+from weighted_accum import _validation_cache
 from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
@@ -66,9 +67,10 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
     >>> out.weight.item()
     4.0
   """
-  leaves = _accum.check_microbatch(state, grads, weight, "accumulate_sum")
+  leaves, placed = _validation_cache.check_microbatch(state, grads, weight,
+                                                      "accumulate_sum")
   return _accum.add(state, leaves, weight, mean=False, checked=checked,
-                    name="accumulate_sum")
+                    placed=placed, name="accumulate_sum")
 
 
 def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
@@ -102,9 +104,10 @@ def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
     >>> out.grads['w'].item()
     2.0
   """
-  leaves = _accum.check_microbatch(state, grads, weight, "accumulate_mean")
+  leaves, placed = _validation_cache.check_microbatch(state, grads, weight,
+                                                      "accumulate_mean")
   return _accum.add(state, leaves, weight, mean=True, checked=checked,
-                    name="accumulate_mean")
+                    placed=placed, name="accumulate_mean")
 
 
 @functools.partial(jax.jit, static_argnames=("mean",))

@@ -17,6 +17,7 @@ import numpy as np
 
 from weighted_accum import _counters
 from weighted_accum import _inputs
+from weighted_accum import _placement
 from weighted_accum import _tree
 from weighted_accum import errors
 from weighted_accum import _tally
@@ -137,8 +138,8 @@ def init(params: Any, dtype: Any = jnp.float32,
       hint="Only floating params have gradients: pass just the trainable "
       "leaves, e.g. nnx.state(model, nnx.Param).")
   buffers = jax.tree.map(lambda p: _tree.zeros_like(p, dt), params)
-  return AccumState(grads=buffers, dtype=dt,
-                    **_counters.initial(work_dtype=dt, loss_scale=ls))
+  return AccumState(grads=buffers, dtype=dt, **_placement.commit_like(
+      _counters.initial(work_dtype=dt, loss_scale=ls), buffers))
 
 
 def _work_dtype(named: list[tuple[str, Any]]) -> jnp.dtype:
@@ -190,6 +191,8 @@ def _place(buf: Any, param: Any, path: str, dtype: jnp.dtype) -> jax.Array:
             f"but its param is on {target}. Restore it onto the param's "
             "sharding (e.g. jax.device_put(buf, param.sharding)).")
       return buf
+    if not getattr(param, "committed", True):  # as the param: uncommitted
+      return jnp.asarray(np.asarray(buf, dtype))
     return jax.device_put(np.asarray(buf, dtype), target)
   return jnp.asarray(buf, dtype)
 
@@ -237,4 +240,5 @@ def from_buffers(params: Any, buffers: Any,
   if c["weight_hi"] + c["weight_lo"] == 0:
     _check_empty_window_zero(list(zip(paths, placed)))
   return AccumState(grads=jax.tree.unflatten(treedef, placed), dtype=dtype,
-                    **_counters.initial(work_dtype=dtype, **c))
+                    **_placement.commit_like(
+                        _counters.initial(work_dtype=dtype, **c), placed))

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 from weighted_accum import _counters
+from weighted_accum import _placement
 from weighted_accum import _finish
 from weighted_accum import _tree
 from weighted_accum import core
@@ -572,13 +573,15 @@ def _init(cfg: _Config, params: Any) -> WeightedMultiStepsState:
   if cfg.should_skip is not None:
     _, skip_state = cfg.should_skip(optax.tree.zeros_like(params), count(),
                                     params)
-  return WeightedMultiStepsState(
+  # Scalars committed like the params (the inner state's too), as a jitted
+  # step returns them: else its second call compiles again (_placement).
+  return _placement.commit_like(WeightedMultiStepsState(
       mini_step=count(), gradient_step=count(),
       inner_opt_state=cfg.inner.init(params), acc_grads=accum.grads,
       skip_state=skip_state, window=accum.replace(grads=None),
       updated=jnp.zeros((), jnp.bool_), nonfinite=jnp.zeros((), jnp.bool_),
       nonfinite_windows=count(), empty_windows=count(), skipped=count(),
-      loss_scaler=scaler)
+      loss_scaler=scaler), params)
 
 
 def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
