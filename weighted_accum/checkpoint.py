@@ -314,7 +314,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       args: :class:`AccumRestore` with the template.
 
     Returns:
-      A tree like the template: concrete ``AccumState``s continuing the
+      A tree like the template: concrete ``AccumState`` values continuing the
       saved windows, other leaves as saved.
 
     Raises:
