@@ -68,6 +68,9 @@ myst_heading_anchors = 3
 # Notebooks are shown with their stored outputs; the test suite executes them.
 nb_execution_mode = "off"
 nb_merge_streams = True
+# Outputs only a live Jupyter front end can show (e.g. widget progress bars)
+# are left out of the HTML instead of failing the -W build.
+suppress_warnings = ["mystnb.unknown_mime_type"]
 
 autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_member_order = "bysource"
