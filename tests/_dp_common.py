@@ -1,10 +1,8 @@
 """Model, data and reference shared by test_distributed.py and its
 multi-process worker (_dp_worker.py). Pure NumPy/JAX, no device set-up.
 
-A one-hidden-layer regression with per-item importance weights: item i of
-microbatch k has weight ``m[k, i]`` (0 for padding, fractional allowed), the
-loss SUM is ``sum(m * l)`` and the loss MEAN is that divided by ``sum(m)``
-(NaN for an all-zero microbatch: 0/0). The exact target for the whole window
+The model and losses are ``_helpers``'s (item i of microbatch k has weight
+``m[k, i]``). The exact target for the whole window
 on all replicas is ``grad(sum(m * l)) / sum(m)`` over the concatenated data.
 """
 
@@ -14,17 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import _helpers
+from _helpers import loss_mean  # noqa: F401  (re-exported for the tests)
+from _helpers import loss_sum
+from _helpers import max_rel_err  # noqa: F401
+from _helpers import per_item_loss  # noqa: F401
+
 D, H = 5, 8          # input features, hidden units (H divisible by 8)
 WEIGHT_CHOICES = np.array([0.0, 0.5, 1.0, 1.0, 3.0], np.float32)
 
 
 def make_params(seed: int = 0) -> dict[str, np.ndarray]:
-  rng = np.random.default_rng(seed)
-  return {
-      "w1": (rng.standard_normal((D, H)) / np.sqrt(D)).astype(np.float32),
-      "b1": (0.1 * rng.standard_normal(H)).astype(np.float32),
-      "w2": (rng.standard_normal(H) / np.sqrt(H)).astype(np.float32),
-  }
+  return _helpers.make_params(seed, D, H)
 
 
 def make_data(seed: int, k: int, replicas: int, per_replica: int,
@@ -51,19 +50,6 @@ def make_data(seed: int, k: int, replicas: int, per_replica: int,
   return x, y, blocks.reshape(k, n)
 
 
-def per_item_loss(p, x, y):
-  h = jnp.tanh(x @ p["w1"] + p["b1"])
-  return (h @ p["w2"] - y) ** 2
-
-
-def loss_sum(p, x, y, m):
-  return jnp.sum(m * per_item_loss(p, x, y))
-
-
-def loss_mean(p, x, y, m):
-  return loss_sum(p, x, y, m) / jnp.sum(m)   # NaN for an empty microbatch
-
-
 @jax.jit
 def _full_batch_grad(p, x, y, m):
   return jax.grad(lambda p: loss_sum(p, x, y, m) / jnp.sum(m))(p)
@@ -75,22 +61,6 @@ def reference_grad(params, x, y, m):
   args = jax.device_put((params, x.reshape(-1, D), y.reshape(-1),
                          m.reshape(-1)), dev)
   return jax.tree.map(np.asarray, _full_batch_grad(*args))
-
-
-def max_rel_err(got, ref) -> float:
-  """The largest error relative to its leaf's scale: max over leaves of
-  ``max|got - ref| / max|ref|``.
-
-  Leaf-scaled, because a single gradient component can be a near-zero
-  difference of large terms; there float32 summation order alone moves it
-  by 1e-5 of its own size while the error against the leaf is ~1e-7.
-  """
-  errs = []
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    errs.append(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-  return float(max(errs))
 
 
 # Multi-process run (tests/_dp_worker.py): 2 processes x 4 CPU devices.

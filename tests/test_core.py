@@ -6,8 +6,10 @@ the model's mean loss, and float64 NumPy arithmetic.
 
 from __future__ import annotations
 
+import functools
 import math
 
+import chex
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _helpers import rel_err
 import weighted_accum as wa
 from weighted_accum import toy
 
@@ -42,14 +45,6 @@ def _rows(batch, start, stop):
   rows = jnp.arange(batch.lengths.shape[0])
   keep = (rows >= start) & (rows < stop)
   return toy.Batch(batch.tokens, jnp.where(keep, batch.lengths, 0))
-
-
-def _rel_err(tree, ref):
-  """Relative L2 error over the whole tree, in float64 NumPy."""
-  a = [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
-  b = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref)]
-  num = sum(np.sum((x - y) ** 2) for x, y in zip(a, b))
-  return math.sqrt(num / sum(np.sum(y**2) for y in b))
 
 
 FULL = _grad(PARAMS, BATCH, "mean")
@@ -87,7 +82,7 @@ def test_any_split_equals_full_batch_gradient(jitted, split):
   out, state = finish(state)
   assert bool(out.valid)
   assert float(out.weight) == float(toy.weight(BATCH))
-  assert _rel_err(out.grads, FULL) <= 1e-5
+  assert rel_err(out.grads, FULL) <= 1e-5
   assert int(state.issued) == 0 and int(state.windows) == 1
 
 
@@ -99,12 +94,12 @@ def test_equal_weight_mean_of_means_is_biased():
   assert len(set(weights)) == 3 and min(weights) > 0
   grads = [_grad(PARAMS, mb, "mean") for mb in mbs]
   naive = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
-  assert _rel_err(naive, FULL) > 1e-2
+  assert rel_err(naive, FULL) > 1e-2
   state = wa.init(PARAMS)
   for g, mb in zip(grads, mbs):
     state = wa.accumulate_mean(state, g, toy.weight(mb))
   out, _ = wa.finish_mean(state)
-  assert _rel_err(out.grads, FULL) <= 1e-5
+  assert rel_err(out.grads, FULL) <= 1e-5
 
 
 def test_nan_grads_of_zero_weight_microbatch_contribute_nothing(variant):
@@ -229,32 +224,26 @@ def test_fractional_weights_tally_matches_fsum(weights):
 
 
 def test_hundred_weights_compile_once():
-  traces = []
-
+  @functools.partial(jax.jit, donate_argnums=0)
+  @chex.assert_max_traces(n=1)
   def step(state, grads, weight):
-    traces.append(1)
     return wa.accumulate_mean(state, grads, weight)
 
-  step = jax.jit(step, donate_argnums=0)
   state = wa.init({"w": jnp.zeros(8)})
   g = {"w": jnp.ones(8)}
   weights = np.linspace(0.5, 500.0, 100).astype(np.float32)
   for w in weights:
     state = step(state, g, w)
-  assert len(traces) == 1
   np.testing.assert_allclose(np.asarray(state.grads["w"]),
                              np.full(8, np.sum(weights.astype(np.float64))),
                              rtol=1e-6)
-  fin_traces = []
-
+  @functools.partial(jax.jit, donate_argnums=0)
+  @chex.assert_max_traces(n=1)   # raises on a second trace
   def fin(state):
-    fin_traces.append(1)
     return wa.finish_mean(state)
 
-  fin = jax.jit(fin, donate_argnums=0)
   for w in weights[:5]:
     out, state = fin(step(state, g, w))
-  assert len(fin_traces) == 1 and len(traces) == 1
 
 
 def test_trees_with_none_leaves_and_nnx_state(variant):

@@ -28,7 +28,7 @@ import pytest
 
 import weighted_accum as wa
 from weighted_accum import distributed as dist
-from weighted_accum import errors
+from weighted_accum import _tree
 
 import _dp_common as common
 
@@ -238,7 +238,7 @@ def test_one_collective_round_per_window(params):
 def _per_replica(x):
   """``x[None]`` typed as varying over 'data' (for out_specs=P('data'))."""
   x = jnp.asarray(x)[None]
-  return x if "data" in errors.varying_axes(x) else jax.lax.pcast(x, "data",
+  return x if "data" in _tree.varying_axes(x) else jax.lax.pcast(x, "data",
                                                         to="varying")
 
 

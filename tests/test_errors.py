@@ -1,4 +1,5 @@
-"""DESIGN.md §3: a clear error naming what and where, and nothing lost."""
+"""The error model (docs/design.md, "Errors"): a clear error naming what and
+where, and nothing lost."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 
+import _helpers
 import weighted_accum as wa
 
 D = 3        # input features
@@ -36,10 +37,7 @@ INNERS = {
 
 
 def _init_params(seed=0):
-  r = np.random.default_rng(seed)
-  return {"w1": r.normal(size=(D, H)).astype(np.float32),
-          "b1": r.normal(size=(H,)).astype(np.float32) * 0.1,
-          "w2": r.normal(size=(H,)).astype(np.float32)}
+  return _helpers.make_params(seed, D, H)
 
 
 def _fresh(tree):
@@ -47,18 +45,8 @@ def _fresh(tree):
   return jax.tree.map(lambda x: jnp.array(np.asarray(x)), tree)
 
 
-def _item_losses(params, x, y):
-  h = jnp.tanh(x @ params["w1"] + params["b1"])
-  return (h @ params["w2"] - y) ** 2
-
-
-def _sum_loss(params, x, y, mask):
-  return jnp.sum(mask * _item_losses(params, x, y))
-
-
-def _mean_loss(params, x, y, mask):
-  # 0/0 = NaN for a fully masked microbatch: its weight 0 must keep it out.
-  return _sum_loss(params, x, y, mask) / jnp.sum(mask)
+_sum_loss = _helpers.loss_sum
+_mean_loss = _helpers.loss_mean   # NaN for a fully masked microbatch
 
 
 def _data(sizes, seed):

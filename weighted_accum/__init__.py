@@ -6,6 +6,8 @@ weighted sums in a chosen work dtype and divides once, so the result equals
 the full-batch gradient whatever the split.
 """
 
+from importlib import metadata as _metadata
+
 from weighted_accum import checkpoint
 from weighted_accum.checkpoint import AccumRestore
 from weighted_accum.checkpoint import AccumSave
@@ -19,6 +21,8 @@ from weighted_accum.distributed import local_grad
 from weighted_accum.distributed import local_value_and_grad
 from weighted_accum.distributed import reduce_sums
 from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.loss_scale import DynamicLossScale
+from weighted_accum.loss_scale import set_loss_scale
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
@@ -28,13 +32,18 @@ from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
 from weighted_accum.transform import window_counters
 
-__version__ = "0.1.0"
+# The one version string is pyproject.toml's; installed metadata carries it.
+try:
+  __version__ = _metadata.version("weighted_accum")
+except _metadata.PackageNotFoundError:  # a source tree that is not installed
+  __version__ = "0+unknown"
 
 __all__ = (
     "AccumRestore",
     "AccumSave",
     "AccumState",
     "AccumulatedGradients",
+    "DynamicLossScale",
     "WeightedAccumulationError",
     "WeightedMultiStepsState",
     "abstract_state",
@@ -50,6 +59,7 @@ __all__ = (
     "local_grad",
     "local_value_and_grad",
     "reduce_sums",
+    "set_loss_scale",
     "weighted_multi_steps",
     "window_counters",
 )

@@ -1,46 +1,8 @@
-"""Orbax checkpointing of accumulator state: ``AccumSave`` / ``AccumRestore``.
+"""Orbax checkpointing of accumulator state: ``AccumSave``, ``AccumRestore``,
+their ``AccumCheckpointHandler`` and ``abstract_state``.
 
-A half-finished window is worth saving: resuming it continues the sums
-bit for bit. The two :class:`orbax.checkpoint.args.CheckpointArgs` below are
-registered with :class:`AccumCheckpointHandler`, so ``CheckpointManager`` and
-``ocp.args.Composite`` construct the handler by themselves, and the
-accumulator is saved atomically with the other items of a step::
-
-  import orbax.checkpoint as ocp
-  from weighted_accum.checkpoint import AccumRestore, AccumSave, abstract_state
-
-  mngr = ocp.CheckpointManager(path)          # async by default
-  mngr.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(params),
-      accum=AccumSave(state),                 # mid-window is fine
-      data=ocp.args.JsonSave({'batch': 17})))
-  ...
-  restored = mngr.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_params),
-      accum=AccumRestore(abstract_state(params)),
-      data=ocp.args.JsonRestore()))
-
-What is written (one item directory): the buffers, the seven counters
-(:data:`weighted_accum.state.COUNTER_FIELDS`, loss scale included) and the
-options (work dtype, :data:`weighted_accum.state.FORMAT_VERSION`) in the
-item's Orbax metadata. ``AccumSave`` also takes any pytree that contains
-``AccumState`` nodes, e.g. the state of
-:func:`weighted_accum.transform.weighted_multi_steps`; its other leaves are
-saved as by ``StandardSave`` and restored with the same strict checks.
-
-Saving never modifies the state, and Orbax finishes its device-to-host
-transfer before ``save`` returns (the blocking phase; only the file writes go
-on in the background), so the state may be donated to the next jitted step at
-once. On CPU the host copy is a zero-copy view: while the write holds it, JAX
-does not reuse that buffer for a donated output (the step allocates a fresh
-one), so the written values stay the pre-donation ones there too.
-
-Restoring validates before anything is returned, each fault raising
-:class:`~weighted_accum.errors.WeightedAccumulationError` that names the item
-directory and the leaf path or field: tree structure, shapes, dtypes (Orbax
-would cast silently; this module refuses), counters, the format version, and
-missing or truncated files. The template is only read, so a failed restore
-leaves the caller's state as it was.
+Usage, what is written and what restoring validates: ``docs/design.md``
+("Checkpoints").
 """
 
 from __future__ import annotations
@@ -57,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from weighted_accum import errors
+from weighted_accum import _counters
+from weighted_accum import _tree
+from weighted_accum import loss_scale
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
@@ -71,15 +35,14 @@ __all__ = [
 
 #: Key of this library's options in the item's Orbax custom metadata.
 OPTIONS_KEY = "weighted_accum"
+#: The format version written (the counters are those of the table in
+#: ``weighted_accum._counters``; a change to what is written bumps it).
+FORMAT_VERSION = 1
 #: Format versions this module can read.
-SUPPORTED_FORMAT_VERSIONS = (state_lib.FORMAT_VERSION,)
+SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)
 
 _GRADS = "grads"
 _COUNTERS = "counters"
-_COUNTER_DTYPES = dict(issued=np.int32, zero_weight=np.int32,
-                       rejected=np.int32, windows=np.int32,
-                       weight_hi=np.float32, weight_lo=np.float32,
-                       loss_scale=np.float32)
 
 
 def abstract_state(params: Any, dtype: Any = jnp.float32) -> AccumState:
@@ -131,7 +94,7 @@ def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
   """``{Orbax path: (readable path, state)}`` for each AccumState in tree."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_accum)
   keys = ocp.tree.to_flat_dict(tree, is_leaf=_is_accum)
-  return {k: (errors.path_str(p), node)
+  return {k: (_tree.path_str(p), node)
           for (p, node), k in zip(flat, keys) if _is_accum(node)}
 
 
@@ -145,15 +108,7 @@ def _split(tree: Any, counters: Any) -> Any:
 
 
 def _host_counters(s: AccumState) -> dict[str, np.ndarray]:
-  out = {}
-  for name in state_lib.COUNTER_FIELDS:
-    value = getattr(s, name)
-    if errors.is_traced(value):
-      raise WeightedAccumulationError(
-          f"AccumSave: counter {name!r} is a traced value; save concrete "
-          "state outside jit.")
-    out[name] = np.array(value, _COUNTER_DTYPES[name])
-  return out
+  return _counters.host(s, what="AccumSave")
 
 
 @dataclasses.dataclass
@@ -261,7 +216,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     tree = args.state
     states = {}
     for key, (shown, s) in _accum_nodes(tree).items():
-      for path, leaf in zip(errors.leaf_paths(s.grads),
+      for path, leaf in zip(_tree.leaf_paths(s.grads),
                             jax.tree.leaves(s.grads)):
         if jnp.result_type(leaf) != s.dtype:
           raise WeightedAccumulationError(
@@ -269,12 +224,12 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
               f"{jnp.result_type(leaf)}, but the state's work dtype is "
               f"{s.dtype}. Save states made by this library's functions.")
       states[_key(key)] = {"dtype": jnp.dtype(s.dtype).name}
-    if any(errors.is_traced(x) for x in jax.tree.leaves(tree)):
+    if any(_tree.is_traced(x) for x in jax.tree.leaves(tree)):
       raise WeightedAccumulationError(
           "AccumSave: the state holds traced values; save a concrete state "
           "outside jit.")
     saveable = _split(tree, _host_counters)
-    options = {OPTIONS_KEY: {"format_version": state_lib.FORMAT_VERSION,
+    options = {OPTIONS_KEY: {"format_version": FORMAT_VERSION,
                              "states": states}}
     return await self._impl.async_save(
         directory, args=ocp.args.PyTreeSave(saveable,
@@ -338,7 +293,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._check_states(want, saved_states, where)
     target = _split(template, lambda s: s.counters)
     flat_target = ocp.tree.to_flat_dict(target)
-    shown = dict(zip(flat_target, errors.leaf_paths(target)))
+    shown = dict(zip(flat_target, _tree.leaf_paths(target)))
     flat_meta = ocp.tree.to_flat_dict(meta.tree)
     self._check_structure(flat_target, flat_meta, shown, where)
     flat_args = {}
@@ -376,7 +331,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
           f"{where}: could not read the checkpoint's arrays "
           f"({type(e).__name__}: {e}). Its files are missing, truncated or "
           "corrupt (an interrupted copy?); restore another step.") from e
-    return self._rebuild(template, restored, where)
+    out = self._rebuild(template, restored, where)
+    loss_scale.check_restored(out, what=where)  # scale and tracker
+    return out
 
   def _read_metadata(self, directory: epath.Path, where: str) -> Any:
     try:
@@ -441,7 +398,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def _check_structure(self, flat_target: dict, flat_meta: dict,
                        shown: dict, where: str) -> None:
-    missing, extra = errors.diff_paths(list(flat_target), list(flat_meta))
+    missing, extra = _tree.diff_paths(list(flat_target), list(flat_meta))
     if missing:
       raise WeightedAccumulationError(
           f"{where}: leaf {shown[missing[0]]} of the template is missing from "
@@ -485,9 +442,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       if not _is_accum(t):
         out.append(_like(t, r))
         continue
-      here = f"{where}: AccumState at {errors.path_str(path)}"
-      counters = state_lib.validate_counters(r[_COUNTERS],
-                                             what=f"{here}, counters")
+      here = f"{where}: AccumState at {_tree.path_str(path)}"
+      counters = _counters.validate(r[_COUNTERS], what=f"{here}, counters")
       try:
         s = state_lib.from_buffers(r[_GRADS], r[_GRADS], counters)
       except WeightedAccumulationError as e:
@@ -496,7 +452,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       # infer it from the buffers, and a state without any gets float32.
       s = s.replace(dtype=jnp.dtype(t.dtype))
       placed = {}
-      for name in state_lib.COUNTER_FIELDS:
+      for name in _counters.NAMES:
         like = getattr(t, name)
         # An uncommitted template scalar (as from wa.init) stays uncommitted,
         # so that it may meet buffers on any mesh under jit.
@@ -518,7 +474,7 @@ def _role(key: tuple[str, ...], leaf: Any,
     if key[:n] == path and len(key) > n:
       if key[n] == _GRADS:
         return "buffer", np.dtype(s.dtype)
-      return "counter", np.dtype(_COUNTER_DTYPES[key[n + 1]])
+      return "counter", _counters.BY_NAME[key[n + 1]].dtype
   if isinstance(leaf, (bool, int, float, complex)):
     # Python scalars: Orbax stores int as int64, float as float64.
     return "other", np.dtype(type(leaf))

@@ -1,11 +1,9 @@
 """The accumulation functions: ``accumulate_sum``, ``accumulate_mean``,
 ``finish_sums`` and ``finish_mean``.
 
-Each public function validates structure (and concrete values) in Python, then
-runs a jitted kernel. Called inside the caller's ``jax.jit`` the kernel inlines,
-so under ``donate_argnums`` every buffer is updated in place: accumulate reads
-the buffer and the grads and writes the buffer, nothing more; finish writes
-its result into the donated buffers and starts the next window on fresh zeros.
+Each validates structure (and concrete values) in Python, then runs a jitted
+kernel that inlines into the caller's ``jit`` and updates donated buffers in
+place (``docs/design.md``, "Performance rules").
 """
 
 from __future__ import annotations
@@ -15,120 +13,15 @@ from typing import Any
 
 import jax
 from jax.experimental import checkify
-import jax.numpy as jnp
 
+from weighted_accum import _accum
+from weighted_accum import _finish
+from weighted_accum import _tree
 from weighted_accum import errors
-from weighted_accum import tally
+from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
-from weighted_accum.state import zeros_like
-
-
-def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
-  """Arithmetic precision for scaling: at least float32 (no float16 overflow)."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
-def mean_contribution(g: jax.Array, weight: jax.Array,
-                      dtype: jnp.dtype) -> jax.Array:
-  """``cast(g, dtype) * weight``: converted first, multiplied in >= float32."""
-  return (g.astype(dtype).astype(compute_dtype(dtype)) * weight).astype(dtype)
-
-
-def normalise(sums: Any, loss_scale: jax.Array,
-              weight: jax.Array) -> tuple[Any, jax.Array]:
-  """``(sums / loss_scale) / weight`` per leaf, and whether all are finite.
-
-  Sequential division in at least float32, never by ``loss_scale * weight``
-  (which can overflow float16); the result is in each leaf's dtype. Where
-  ``weight`` is not positive the grads are zeros; ``finite`` only says
-  whether every result value is finite (callers add ``weight > 0`` to
-  ``valid``).
-  Shared by :func:`finish_mean` and :mod:`weighted_accum.distributed`.
-  """
-  ok = weight > 0
-
-  def divide(b):
-    ct = compute_dtype(b.dtype)
-    g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
-    return jnp.where(ok, g, jnp.zeros((), ct)).astype(b.dtype)
-
-  grads = jax.tree.map(divide, sums)
-  # Checked on the result (read after it is written in place): checking a
-  # donated input instead would force XLA to copy it first.
-  return grads, all_finite(grads)
-
-
-def _check_inputs(state: AccumState, grads: Any, weight: Any,
-                  name: str) -> list[Any]:
-  """Structural checks of one microbatch; returns the grads' leaves."""
-  leaves = errors.match_tree(state.grads, grads, what=f"{name}(grads)")
-  named = list(zip(errors.leaf_paths(state.grads), leaves))
-  errors.check_leaves_floating(named, what=f"{name}(grads)")
-  errors.check_weight(weight, what=f"{name}(weight)")
-  errors.check_not_reduced_against_weight(named, weight,
-                                          what=f"{name}(grads)")
-  return leaves
-
-
-@functools.partial(jax.jit, static_argnames=("mean",))
-def _accumulate_kernel(state: AccumState, leaves: list[Any], weight: jax.Array,
-                       mean: bool) -> AccumState:
-  w = jnp.asarray(weight, jnp.float32)
-  valid = jnp.isfinite(w) & (w >= 0)
-  take = valid & (w > 0)
-  dt = state.dtype
-
-  def update(buf, g):
-    # Convert first (DESIGN §2), then scale.
-    contrib = mean_contribution(g, w, dt) if mean else g.astype(dt)
-    # A select, not a multiplication: a zero-weight or rejected microbatch
-    # adds nothing even when its grads are NaN/Inf (0 * NaN would leak). Fuses
-    # into one read-read-write loop per leaf.
-    return buf + jnp.where(take, contrib, jnp.zeros((), dt))
-
-  buf_leaves, treedef = jax.tree.flatten(state.grads)
-  new_buffers = jax.tree.unflatten(
-      treedef, [update(b, g) for b, g in zip(buf_leaves, leaves)])
-  hi, lo = tally.two_sum_add(state.weight_hi, state.weight_lo,
-                             jnp.where(take, w, 0.0))
-  one = jnp.int32(1)
-  return state.replace(
-      grads=new_buffers,
-      issued=state.issued + one,
-      zero_weight=state.zero_weight + jnp.where(valid & (w == 0), one, 0),
-      rejected=state.rejected + jnp.where(valid, 0, one),
-      weight_hi=hi,
-      weight_lo=lo,
-  )
-
-
-def _accumulate(state: AccumState, grads: Any, weight: Any, *, mean: bool,
-                checked: bool, name: str) -> AccumState:
-  leaves = _check_inputs(state, grads, weight, name)
-  if checked and errors.is_traced(weight):
-    w = jnp.asarray(weight, jnp.float32)
-    checkify.check(
-        jnp.isfinite(w) & (w >= 0),
-        name + ": weight {w} is not a finite non-negative item count; the "
-        "microbatch was rejected (state.rejected counts it).", w=w)
-  return _accumulate_kernel(state, _on_buffer_shardings(state, leaves),
-                            weight, mean=mean)
-
-
-def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
-  """Eagerly, moves grads sharded unlike their buffers onto the buffers'
-  shardings, so the result keeps the params' placement (under ``jit`` the
-  partitioner decides; params and grads normally agree there)."""
-  out = []
-  for g, b in zip(leaves, jax.tree.leaves(state.grads)):
-    if (isinstance(g, jax.Array) and isinstance(b, jax.Array)
-        and not errors.is_traced(g) and not errors.is_traced(b)
-        and not g.sharding.is_equivalent_to(b.sharding, b.ndim)):
-      g = jax.device_put(g, b.sharding)
-    out.append(g)
-  return out
 
 
 def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
@@ -172,8 +65,9 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
     >>> out.weight.item()
     4.0
   """
-  return _accumulate(state, grads, weight, mean=False, checked=checked,
-                     name="accumulate_sum")
+  leaves = _accum.check_microbatch(state, grads, weight, "accumulate_sum")
+  return _accum.add(state, leaves, weight, mean=False, checked=checked,
+                    name="accumulate_sum")
 
 
 def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
@@ -207,64 +101,15 @@ def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
     >>> out.grads['w'].item()
     2.0
   """
-  return _accumulate(state, grads, weight, mean=True, checked=checked,
-                     name="accumulate_mean")
+  leaves = _accum.check_microbatch(state, grads, weight, "accumulate_mean")
+  return _accum.add(state, leaves, weight, mean=True, checked=checked,
+                    name="accumulate_mean")
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """True when every value of ``tree`` is finite: one reduction per leaf.
-
-  ``isfinite(sum(x))`` instead of ``all(isfinite(x))``: XLA:CPU fuses a plain
-  sum into one read of ``x``, while the boolean form materialises a
-  parameter-sized temporary. NaN and Inf propagate into the sum, so it is
-  exact, but for a sum of finite values that overflows float32 (far beyond
-  any real gradient), which reads as "not finite", the safe side.
-  """
-  sums = [jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
-          for x in jax.tree.leaves(tree)]
-  if not sums:
-    return jnp.bool_(True)
-  return jnp.all(jnp.isfinite(jnp.stack(sums)))
-
-
-def _reset(state: AccumState, next_loss_scale: jax.Array) -> AccumState:
-  zi, zf = jnp.int32(0), jnp.float32(0)
-  return state.replace(grads=jax.tree.map(zeros_like, state.grads), issued=zi, zero_weight=zi,
-                       rejected=zi, weight_hi=zf, weight_lo=zf,
-                       windows=state.windows + 1, loss_scale=next_loss_scale)
-
-
-def keep_unless(consumed: jax.Array, reset: AccumState,
-                state: AccumState) -> AccumState:
-  """``reset``'s counters where ``consumed``, else ``state``'s; ``reset``'s
-  buffers either way.
-
-  How a finish leaves a window of zero total weight unchanged: its buffers
-  are all zero (see :mod:`weighted_accum.state`), so the fresh zeros are
-  its own buffers, and only the counters need the select.
-  """
-  counters = jax.tree.map(lambda r, s: jnp.where(consumed, r, s),
-                          reset.replace(grads=None), state.replace(grads=None))
-  return counters.replace(grads=reset.grads)
-
-
-def _next_scale(state: AccumState, next_loss_scale: Any) -> jax.Array:
-  if next_loss_scale is None:
-    return state.loss_scale
-  ls = jnp.asarray(next_loss_scale, jnp.float32)
-  # A traced invalid scale cannot raise: keep the current one instead.
-  return jnp.where(jnp.isfinite(ls) & (ls > 0), ls, state.loss_scale)
-
-
-@jax.jit
-def _finish_sums_kernel(state: AccumState, next_loss_scale: jax.Array | None):
-  finite = all_finite(state.grads)
-  out = AccumulatedGradients(
-      grads=state.grads,
-      weight=tally.join_traced(state.weight_hi, state.weight_lo),
-      loss_scale=state.loss_scale, issued=state.issued, finite=finite,
-      valid=finite)
-  return out, _reset(state, _next_scale(state, next_loss_scale))
+@functools.partial(jax.jit, static_argnames=("mean",))
+def _finish_kernel(state: AccumState, next_loss_scale: jax.Array | None,
+                   mean: bool) -> tuple[AccumulatedGradients, AccumState]:
+  return _finish.finish(state, mean=mean, next_loss_scale=next_loss_scale)
 
 
 def finish_sums(state: AccumState, *, next_loss_scale: Any = None
@@ -300,19 +145,7 @@ def finish_sums(state: AccumState, *, next_loss_scale: Any = None
   if next_loss_scale is not None:
     errors.check_loss_scale(next_loss_scale,
                             what="finish_sums(next_loss_scale=...)")
-  return _finish_sums_kernel(state, next_loss_scale)
-
-
-@jax.jit
-def _finish_mean_kernel(state: AccumState, next_loss_scale: jax.Array | None):
-  weight = tally.join_traced(state.weight_hi, state.weight_lo)
-  ok = weight > 0
-  grads, finite = normalise(state.grads, state.loss_scale, weight)
-  out = AccumulatedGradients(grads=grads, weight=weight,
-                             loss_scale=state.loss_scale, issued=state.issued,
-                             finite=finite, valid=finite & ok)
-  reset = _reset(state, _next_scale(state, next_loss_scale))
-  return out, keep_unless(ok, reset, state)
+  return _finish_kernel(state, next_loss_scale, mean=False)
 
 
 def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
@@ -353,8 +186,8 @@ def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
   if next_loss_scale is not None:
     errors.check_loss_scale(next_loss_scale,
                             what="finish_mean(next_loss_scale=...)")
-  issued = errors.concrete_float(state.issued)
-  if issued is not None and errors.concrete_float(state.weight_hi) is not None:
+  issued = _tree.concrete_float(state.issued)
+  if issued is not None and _tree.concrete_float(state.weight_hi) is not None:
     total = state.total_weight
     if not total > 0:
       raise WeightedAccumulationError(
@@ -364,8 +197,8 @@ def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
           "Nothing was cleared: accumulate more microbatches, or use "
           "finish_sums to hand zero sums to a cross-replica reduction.")
   elif checked:
-    weight = tally.join_traced(state.weight_hi, state.weight_lo)
+    weight = _tally.join_traced(state.weight_hi, state.weight_lo)
     checkify.check(weight > 0, "finish_mean: the window's total weight is "
                    "{w}, so there is no mean to take; the state was left "
                    "unchanged and zero grads returned.", w=weight)
-  return _finish_mean_kernel(state, next_loss_scale)
+  return _finish_kernel(state, next_loss_scale, mean=True)

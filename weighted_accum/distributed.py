@@ -1,58 +1,10 @@
-"""Cross-replica reduction for data parallelism on JAX's SPMD engine.
+"""Data parallelism inside ``jax.shard_map``: ``local_grad``,
+``accumulate_sum``/``accumulate_mean`` per replica, ``finish_mean`` and
+``reduce_sums`` (one collective round per window), ``init``, ``is_reduced``.
 
-Across data-parallel replicas the exact target is ``sum_r S_r / sum_r n_r``:
-the gradient SUMS and the WEIGHTS are both summed over replicas before the one
-division. Averaging per-replica means weights a replica with 3 tokens like one
-with 3000 (the bug behind Hugging Face transformers #34242 and DeepSpeed
-#7773). Two ways to run it on JAX's SPMD engine:
-
-*Implicit style* (``jax.jit`` over global arrays with ``NamedSharding``: the
-batch sharded over ``'data'``, the params replicated or FSDP-sharded). Nothing
-here is needed: the gradient of the GLOBAL batch's loss sum and the GLOBAL
-item count (``mask.sum()`` of the global mask) are ordinary global arrays, so
-:func:`weighted_accum.accumulate_sum` / :func:`weighted_accum.finish_mean` give
-the exact global result and XLA inserts the reductions. Buffers keep the
-params' sharding (an FSDP-sharded param gets an FSDP-sharded buffer; no
-gather).
-
-*Explicit style* (``jax.shard_map`` over a data axis; the functions below).
-Each replica sees its own microbatches. Pass the axis name(s) to reduce over.
-
-**The autodiff trap.** Inside ``shard_map`` (``check_vma=True``, the default)
-a param passed with ``P()`` is *unvarying* over ``'data'``; its gradient with
-respect to per-replica data is ALREADY summed over ``'data'`` by autodiff (the
-transpose of the implicit broadcast is a ``psum``). A further ``psum``
-multiplies it by the replica count, and the gradient of a per-replica MEAN
-loss is already the equal-weight average the library exists to avoid. So:
-
-* :func:`local_grad` / :func:`local_value_and_grad` differentiate with respect
-  to params cast to varying (``jax.lax.pcast(p, axis, to='varying')``), which
-  gives this replica's own gradient. Use them.
-* :func:`accumulate_sum` / :func:`accumulate_mean` here read the gradients'
-  type (``jax.typeof(g)``: varying or not over the axis) and handle both local
-  and already-reduced gradients correctly; :func:`is_reduced` exposes the
-  test. Already-reduced gradients of a MEAN loss over unequal local counts
-  cannot be un-averaged: that raises, with what to do.
-
-**When to reduce.** ``reduce="window"`` (default): replicas accumulate local
-sums and :func:`finish_mean` does one collective round per window (one
-all-reduce of the gradient sums together with the weights and counts). Cost:
-``P`` bytes on the wire per window for ``P`` bytes of gradients.
-``reduce="microbatch"``: every microbatch's sums and weight are all-reduced
-before they are added, so every replica's buffers hold the global sums and
-finishing needs no communication. Cost: ``K * P`` bytes per window of ``K``
-microbatches (K times the window mode), plus one collective latency per
-microbatch; worth it only when the gradients are reduced anyway (autodiff on
-unvarying params already paid it) or when the state must stay identical on
-every replica (e.g. to leave ``shard_map`` with ``out_specs=P()``).
-A window-mode state is per replica (its leaves vary over the axis): build it
-with :func:`init`, keep it inside ``shard_map`` (``lax.scan`` over the
-microbatches) and finish inside.
-
-Weights: always THIS replica's local item count (tokens, samples); the
-functions sum them over the axis. Counters other than the ones returned by
-:func:`finish_mean` (global weight, global ``issued``) are per-replica
-diagnostics.
+Under plain ``jax.jit`` over global arrays none of this is needed. The two
+styles, the autodiff trap and when to reduce: ``docs/design.md`` ("Data
+parallelism").
 """
 
 from __future__ import annotations
@@ -64,8 +16,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from weighted_accum import _accum
+from weighted_accum import _arith
+from weighted_accum import _counters
+from weighted_accum import _finish
+from weighted_accum import _tree
 from weighted_accum import core
-from weighted_accum import errors
 from weighted_accum import state as state_lib
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
@@ -112,7 +68,7 @@ def _vma_checked(axes: tuple[str, ...]) -> bool:
   With ``check_vma=False`` every value reads as unvarying and autodiff does
   not sum gradients of replicated params: they are local.
   """
-  return axes[0] in errors.varying_axes(jax.lax.axis_index(axes[0]))
+  return axes[0] in _tree.varying_axes(jax.lax.axis_index(axes[0]))
 
 
 def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -121,17 +77,10 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in axes if a not in errors.varying_axes(x))
+    missing = tuple(a for a in axes if a not in _tree.varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
-
-
-def _like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
-  """Casts ``x`` to vary over the ``axes`` that ``ref`` varies over."""
-  missing = tuple(a for a in axes if a in errors.varying_axes(ref)
-                  and a not in errors.varying_axes(x))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _check_reduce(reduce: str, what: str) -> None:
@@ -149,7 +98,7 @@ def _leaf_status(leaves: list[Any], paths: list[str],
     return False
   status = None
   for path, x in zip(paths, leaves):
-    v = errors.varying_axes(x) & set(axes)
+    v = _tree.varying_axes(x) & set(axes)
     if v and v != set(axes):
       raise WeightedAccumulationError(
           f"{what}: leaf {path} varies over {sorted(v)} but not over "
@@ -211,7 +160,7 @@ def is_reduced(grads: Any, axis_name: AxisName) -> bool:
   """
   axes = _axes(axis_name, "is_reduced")
   leaves = jax.tree.leaves(grads)
-  return _leaf_status(leaves, errors.leaf_paths(grads), axes,
+  return _leaf_status(leaves, _tree.leaf_paths(grads), axes,
                       "is_reduced(grads)")
 
 
@@ -356,45 +305,67 @@ def init(params: Any, axis_name: AxisName, dtype: Any = jnp.float32,
   """
   axes = _axes(axis_name, "distributed.init")
   s = state_lib.init(params, dtype=dtype, loss_scale=loss_scale)
-  return s.replace(**{
-      k: _to_varying(getattr(s, k), axes)
-      for k in ("grads", "issued", "zero_weight", "rejected", "weight_hi",
-                "weight_lo")})
+  per_replica = ("grads",) + _counters.named(_counters.SUMMED) + (
+      _counters.named(_counters.LOCAL))
+  return s.replace(**{k: _to_varying(getattr(s, k), axes)
+                      for k in per_replica})
+
+
+def _check_microbatch_mode(state: AccumState, axes: tuple[str, ...],
+                           what: str) -> None:
+  varying = [p for p, b in _tree.flat(state.grads)
+             if _tree.varying_axes(b) & set(axes)]
+  if varying:
+    raise WeightedAccumulationError(
+        f"{what}(state): buffer {varying[0]} varies over {axes}: this "
+        "window holds per-replica sums (reduce='window'). Keep one mode per "
+        "window: pass reduce='window', or start the window with "
+        "weighted_accum.init for reduce='microbatch'.")
 
 
 def _accumulate(state: AccumState, grads: Any, weight: Any,
                 axis_name: AxisName, *, mean: bool, reduce: str,
                 checked: bool, name: str) -> AccumState:
+  """Validates once, then adds the microbatch (see ``docs/design.md``,
+  "Data parallelism", for the cases)."""
   what = f"distributed.{name}"
   axes = _axes(axis_name, what)
   _check_reduce(reduce, what)
-  leaves = errors.match_tree(state.grads, grads, what=f"{what}(grads)")
-  paths = errors.leaf_paths(state.grads)
-  errors.check_leaves_floating(list(zip(paths, leaves)),
-                               what=f"{what}(grads)")
-  errors.check_weight(weight, what=f"{what}(weight)")
-  vma_on = _vma_checked(axes)
-  if reduce == "microbatch" and vma_on:
-    varying = [p for p, b in zip(paths, jax.tree.leaves(state.grads))
-               if errors.varying_axes(b) & set(axes)]
-    if varying:
-      raise WeightedAccumulationError(
-          f"{what}(state): buffer {varying[0]} varies over {axes}: this "
-          "window holds per-replica sums (reduce='window'). Keep one mode per "
-          "window: pass reduce='window', or start the window with "
-          "weighted_accum.init for reduce='microbatch'.")
-  reduced = _leaf_status(leaves, paths, axes, f"{what}(grads)")
-  core_fn = core.accumulate_mean if mean else core.accumulate_sum
+  leaves = _accum.check_microbatch(state, grads, weight, what,
+                                   allow_reduced=True)
+  if reduce == "microbatch" and _vma_checked(axes):
+    _check_microbatch_mode(state, axes, what)
+  reduced = _leaf_status(leaves, _tree.leaf_paths(state.grads), axes,
+                         f"{what}(grads)")
   if not reduced and reduce == "window":
-    return core_fn(state, grads, weight, checked=checked)
+    return _accum.add(state, leaves, weight, mean=mean, checked=checked,
+                      name=what)
+  contrib, gweight = _global_contribution(state, leaves, weight, axes,
+                                          mean=mean, reduced=reduced,
+                                          what=what)
+  if reduce == "window":
+    # Reduced grads in a per-replica window: one replica owns the global
+    # contribution, the others add nothing; finish_mean's psum restores it
+    # exactly (no division by the replica count, no rounding).
+    owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
+    gweight = jnp.where(owner | jnp.isnan(gweight), gweight, 0.0)
+    # The window's buffers are per replica from here on (typed varying).
+    contrib = _to_varying(contrib, axes)
+  return _accum.add(state, contrib, gweight, mean=False, checked=checked,
+                    name=what)
 
-  _, treedef = jax.tree.flatten(state.grads)
+
+def _global_contribution(state: AccumState, leaves: list[Any], weight: Any,
+                         axes: tuple[str, ...], *, mean: bool, reduced: bool,
+                         what: str) -> tuple[list[Any], jax.Array]:
+  """The microbatch's global contribution to the sums and its global weight
+  (NaN, which rejects it, when any replica's weight is invalid)."""
   dt = state.dtype
   w = jnp.asarray(weight, jnp.float32)
   bad = ~(jnp.isfinite(w) & (w >= 0))
   w_ok = jnp.where(bad, 0.0, w)
   if reduced and mean:
-    if set(axes) & errors.varying_axes(weight):
+    if set(axes) & _tree.varying_axes(weight):
       raise WeightedAccumulationError(
           f"{what}(grads): these gradients of per-replica MEAN losses were "
           f"already summed over {axes} by autodiff (the params are unvarying "
@@ -405,31 +376,20 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
           "the loss SUM and use accumulate_sum.")
     # Every replica divided by the same count n: n * grads is the sum of the
     # replicas' loss-sum gradients, and the global weight is n * replicas.
-    contrib = [core.mean_contribution(g, w_ok, dt) for g in leaves]
-    total = w_ok * _axes_size(axes)
-    n_bad = bad.astype(jnp.float32)
+    contrib = [_arith.mean_contribution(g, w_ok, dt) for g in leaves]
+    total, n_bad = w_ok * _axes_size(axes), bad.astype(jnp.float32)
   elif reduced:
     contrib = leaves
     total, n_bad = jax.lax.psum((w_ok, bad.astype(jnp.float32)), axes)
   else:  # local gradients, reduce="microbatch": one psum of sums and weight
     take = ~bad & (w_ok > 0)
     zero = jnp.zeros((), dt)
-    contrib = [jnp.where(take, core.mean_contribution(g, w_ok, dt) if mean
+    contrib = [jnp.where(take, _arith.mean_contribution(g, w_ok, dt) if mean
                          else g.astype(dt), zero) for g in leaves]
     contrib, total, n_bad = jax.lax.psum(
         (contrib, w_ok, bad.astype(jnp.float32)), axes)
   # Any replica's invalid weight rejects the microbatch on every replica.
-  gweight = jnp.where(n_bad > 0, jnp.nan, total)
-  if reduce == "window":
-    # Reduced grads in a per-replica window: one replica owns the global
-    # contribution, the others add nothing; finish_mean's psum restores it
-    # exactly (no division by the replica count, no rounding).
-    owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
-    gweight = jnp.where(owner | (n_bad > 0), gweight, 0.0)
-    # The window's buffers are per replica from here on (typed varying).
-    contrib = _to_varying(contrib, axes)
-  return core.accumulate_sum(state, jax.tree.unflatten(treedef, contrib),
-                             gweight, checked=checked)
+  return contrib, jnp.where(n_bad > 0, jnp.nan, total)
 
 
 def accumulate_sum(state: AccumState, grads: Any, weight: Any,
@@ -479,8 +439,9 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any,
     ...   return dist.finish_mean(s, 'data')[0].grads
     >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
     ...                           out_specs=P()))
-    >>> float(f(jnp.ones(()), jnp.arange(2. * n)))   # mean of 0..2n-1
-    7.5
+    >>> x = jnp.tile(jnp.arange(4.), n)   # items 0, 1, 2, 3 on each replica
+    >>> float(f(jnp.ones(()), x))          # their mean, with any device count
+    1.5
   """
   return _accumulate(state, grads, weight, axis_name, mean=False,
                      reduce=reduce, checked=checked, name="accumulate_sum")
@@ -527,55 +488,14 @@ def accumulate_mean(state: AccumState, grads: Any, weight: Any,
     ...   return dist.finish_mean(s, 'data')[0].grads
     >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
     ...                           out_specs=P()))
-    >>> float(f(jnp.ones(()), jnp.arange(2. * n)))
-    7.5
+    >>> float(f(jnp.ones(()), jnp.tile(jnp.arange(4.), n)))
+    1.5
   """
   return _accumulate(state, grads, weight, axis_name, mean=True,
                      reduce=reduce, checked=checked, name="accumulate_mean")
 
 
 # --------------------------------------------------------------- reduction --
-
-def _reduce(sums: Any, weight_parts: tuple[Any, ...], issued: Any,
-            loss_scale: Any, axes: tuple[str, ...],
-            what: str) -> AccumulatedGradients:
-  """One collective round: psum of the varying sums with weights and count,
-  then divide by the loss scale, then by the global weight."""
-  vma_on = _vma_checked(axes)
-  if vma_on and set(axes) & errors.varying_axes(loss_scale):
-    raise WeightedAccumulationError(
-        f"{what}: the loss scale varies over {axes}; every replica must use "
-        "the same loss scale for a window. Pass it in with P() (unvarying).")
-  leaves, treedef = jax.tree.flatten(sums)
-  groups: dict[tuple[str, ...], list[int]] = {}
-  for i, x in enumerate(leaves):
-    # An unvarying leaf is identical on every replica: already global (an
-    # empty window's zeros, or sums of gradients autodiff reduced).
-    ax = (tuple(a for a in axes if a in errors.varying_axes(x)) if vma_on
-          else axes)
-    if ax:
-      groups.setdefault(ax, []).append(i)
-  # Weights and the count are per replica by contract: always summed.
-  scalars = [jnp.asarray(p, jnp.float32) for p in weight_parts]
-  scalars.append(jnp.asarray(issued, jnp.float32))  # exact below 2**24
-  full = groups.pop(axes, [])
-  red, scalars = jax.lax.psum(([leaves[i] for i in full], scalars), axes)
-  out = list(leaves)
-  for i, v in zip(full, red):
-    out[i] = v
-  for ax, idx in groups.items():
-    for i, v in zip(idx, jax.lax.psum([leaves[i] for i in idx], ax)):
-      out[i] = v
-  weight = sum(scalars[:-1][1:], scalars[0])
-  # From all-reduced (hence identical) values only, so every replica reports
-  # the same flags.
-  grads, finite = core.normalise(jax.tree.unflatten(treedef, out),
-                                 jnp.asarray(loss_scale, jnp.float32), weight)
-  return AccumulatedGradients(
-      grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
-      issued=scalars[-1].astype(jnp.int32), finite=finite,
-      valid=finite & (weight > 0))
-
 
 def reduce_sums(out: AccumulatedGradients,
                 axis_name: AxisName) -> AccumulatedGradients:
@@ -615,12 +535,23 @@ def reduce_sums(out: AccumulatedGradients,
     ...   return dist.reduce_sums(out, 'data').grads
     >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
     ...                           out_specs=P()))
-    >>> float(f({'w': jnp.zeros(())}, jnp.arange(2. * n))['w'])
-    7.5
+    >>> float(f({'w': jnp.zeros(())}, jnp.tile(jnp.arange(4.), n))['w'])
+    1.5
   """
   axes = _axes(axis_name, "reduce_sums")
-  return _reduce(out.grads, (out.weight,), out.issued, out.loss_scale, axes,
-                 "reduce_sums")
+  return _finish.reduce_finished(out, axes, vma_on=_vma_checked(axes),
+                                 what="reduce_sums")
+
+
+def _check_global_window(state: AccumState, axes: tuple[str, ...],
+                         what: str) -> None:
+  named = [("weight", state.weight_hi)] + _tree.flat(state.grads)
+  for path, x in named:
+    if _tree.varying_axes(x) & set(axes):
+      raise WeightedAccumulationError(
+          f"{what}(state): {path} varies over {axes}, so the window holds "
+          "per-replica values, not the global sums reduce='microbatch' "
+          "keeps. Finish it with reduce='window'.")
 
 
 def finish_mean(state: AccumState, axis_name: AxisName, *,
@@ -670,29 +601,17 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
     ...   return dist.finish_mean(s, 'data', reduce='microbatch')[0].grads
     >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
     ...                           out_specs=P()))
-    >>> float(f(jnp.ones(()), jnp.arange(2. * n)))
-    7.5
+    >>> float(f(jnp.ones(()), jnp.tile(jnp.arange(4.), n)))
+    1.5
   """
   what = "distributed.finish_mean"
   axes = _axes(axis_name, what)
   _check_reduce(reduce, what)
   if reduce == "microbatch":
     if _vma_checked(axes):
-      named = [("weight", state.weight_hi)] + list(
-          zip(errors.leaf_paths(state.grads), jax.tree.leaves(state.grads)))
-      for path, x in named:
-        if errors.varying_axes(x) & set(axes):
-          raise WeightedAccumulationError(
-              f"{what}(state): {path} varies over {axes}, so the window holds "
-              "per-replica values, not the global sums reduce='microbatch' "
-              "keeps. Finish it with reduce='window'.")
+      _check_global_window(state, axes, what)
     out, new_state = core.finish_mean(state, next_loss_scale=next_loss_scale)
     # Each accumulate call covered one microbatch on every replica.
     return out.replace(issued=out.issued * _axes_size(axes)), new_state
-  local, reset = core.finish_sums(state, next_loss_scale=next_loss_scale)
-  out = _reduce(local.grads, (state.weight_hi, state.weight_lo), state.issued,
-                state.loss_scale, axes, what)
-  # A window of zero global weight keeps its counters (its buffers are zero);
-  # every leaf keeps the state's varying type (a lax.scan carry stays valid).
-  new_state = core.keep_unless(out.weight > 0, reset, state)
-  return out, jax.tree.map(lambda r, s: _like(r, s, axes), new_state, state)
+  return _finish.finish(state, mean=True, next_loss_scale=next_loss_scale,
+                        axes=axes, vma_on=_vma_checked(axes), what=what)

@@ -1,16 +1,13 @@
 """The accumulator's state: ``AccumState``, ``AccumulatedGradients``, ``init``
 and ``from_buffers``.
 
-Invariant: only microbatches of positive weight add to the buffers, and
-finishing zeroes them, so a window whose total weight is 0 has all-zero
-buffers. This is what lets ``finish_mean`` of such a window under ``jit``
-return "the unchanged state" without keeping a second copy of the buffers.
+The counters are declared in ``weighted_accum._counters``; the invariants the
+state keeps are in ``docs/design.md`` ("State").
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-import math
 from typing import Any
 
 from flax import struct
@@ -18,15 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum import _counters
+from weighted_accum import _tree
 from weighted_accum import errors
-from weighted_accum import tally
+from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
-
-FORMAT_VERSION = 1
-
-COUNTER_FIELDS = ("issued", "zero_weight", "rejected", "windows", "weight_hi",
-                  "weight_lo", "loss_scale")
-_INT_COUNTERS = ("issued", "zero_weight", "rejected", "windows")
 
 
 class AccumState(struct.PyTreeNode):
@@ -60,13 +53,8 @@ class AccumState(struct.PyTreeNode):
   """
 
   grads: Any
-  issued: jax.Array
-  zero_weight: jax.Array
-  rejected: jax.Array
-  windows: jax.Array
-  weight_hi: jax.Array
-  weight_lo: jax.Array
-  loss_scale: jax.Array
+  # One field per row of the counter table, in its order.
+  __annotations__.update(_counters.field_annotations())
   dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
 
   @property
@@ -77,15 +65,15 @@ class AccumState(struct.PyTreeNode):
     weight_lo`` in float64: integer totals are exact to 2**48). Under a
     transformation it is the float32 array ``weight_hi + weight_lo``.
     """
-    if errors.is_traced(self.weight_hi) or errors.is_traced(self.weight_lo):
-      return tally.join_traced(self.weight_hi, self.weight_lo)
-    return tally.join(self.weight_hi, self.weight_lo)
+    if _tree.is_traced(self.weight_hi) or _tree.is_traced(self.weight_lo):
+      return _tally.join_traced(self.weight_hi, self.weight_lo)
+    return _tally.join(self.weight_hi, self.weight_lo)
 
   @property
   def counters(self) -> dict[str, jax.Array]:
     """The counter leaves by name, as saved in checkpoints and taken by
     :func:`from_buffers`."""
-    return {k: getattr(self, k) for k in COUNTER_FIELDS}
+    return _counters.of(self)
 
 
 class AccumulatedGradients(struct.PyTreeNode):
@@ -109,35 +97,6 @@ class AccumulatedGradients(struct.PyTreeNode):
   issued: jax.Array
   finite: jax.Array
   valid: jax.Array
-
-
-def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
-  """Zeros shaped like ``x`` on ``x``'s sharding, eagerly and under ``jit``.
-
-  Under ``jit`` a constant has no data dependence on ``x``, so the partitioner
-  would replicate it (``jnp.zeros_like`` does, on an auto mesh). Selecting
-  from ``x`` with an all-false mask makes the zeros inherit ``x``'s sharding
-  on auto and explicit meshes alike, and stays zero where ``x`` is NaN/Inf.
-  """
-  dtype = x.dtype if dtype is None else dtype
-  if isinstance(x, jax.Array) and not errors.is_traced(x):
-    return jnp.zeros(x.shape, dtype, device=x.sharding)
-  if errors.is_traced(x):
-    return jnp.where(jnp.zeros_like(x, dtype=bool), x, 0).astype(dtype)
-  return jnp.zeros(np.shape(x), dtype)
-
-
-def _counters(issued=0, zero_weight=0, rejected=0, windows=0, weight_hi=0.0,
-              weight_lo=0.0, loss_scale=1.0) -> dict[str, jax.Array]:
-  return dict(
-      issued=jnp.asarray(issued, jnp.int32),
-      zero_weight=jnp.asarray(zero_weight, jnp.int32),
-      rejected=jnp.asarray(rejected, jnp.int32),
-      windows=jnp.asarray(windows, jnp.int32),
-      weight_hi=jnp.asarray(weight_hi, jnp.float32),
-      weight_lo=jnp.asarray(weight_lo, jnp.float32),
-      loss_scale=jnp.asarray(loss_scale, jnp.float32),
-  )
 
 
 def init(params: Any, dtype: Any = jnp.float32,
@@ -170,97 +129,45 @@ def init(params: Any, dtype: Any = jnp.float32,
   """
   dt = errors.check_floating_dtype(dtype, what="init(dtype=...)")
   errors.check_loss_scale(loss_scale, what="init(loss_scale=...)")
-  errors.check_leaves_floating(
-      list(zip(errors.leaf_paths(params), jax.tree.leaves(params))),
+  _tree.check_leaves_floating(
+      _tree.flat(params),
       what="init(params)",
       hint="Only floating params have gradients: pass just the trainable "
       "leaves, e.g. nnx.state(model, nnx.Param).")
-  buffers = jax.tree.map(lambda p: zeros_like(p, dt), params)
+  buffers = jax.tree.map(lambda p: _tree.zeros_like(p, dt), params)
   return AccumState(grads=buffers, dtype=dt,
-                    **_counters(loss_scale=loss_scale))
+                    **_counters.initial(loss_scale=loss_scale))
 
 
-def _concrete_counter(counters: Mapping[str, Any], name: str,
-                      default: Any) -> Any:
-  value = counters.get(name, default)
-  if np.ndim(value) != 0:
+def _work_dtype(named: list[tuple[str, Any]]) -> jnp.dtype:
+  """The one floating dtype of restored buffers (float32 when there are none)."""
+  _tree.check_leaves_floating(named, what="from_buffers(buffers)")
+  dtypes = [jnp.result_type(b) for _, b in named]
+  if len(set(dtypes)) > 1:
+    odd = sorted(set(dtypes), key=str)[-1]
     raise WeightedAccumulationError(
-        f"from_buffers(counters): counter {name!r} has shape "
-        f"{np.shape(value)}, expected a scalar. Pass the values of "
-        "state.counters.")
-  if errors.is_traced(value):
-    raise WeightedAccumulationError(
-        f"from_buffers(counters): counter {name!r} is a traced value; "
-        "from_buffers validates concrete restored values, so call it outside "
-        "jit.")
-  return np.asarray(value).item()
+        "from_buffers(buffers): buffers mix dtypes "
+        f"{sorted(map(str, set(dtypes)))} (e.g. leaf "
+        f"{named[dtypes.index(odd)][0]}); an accumulator has one work dtype. "
+        "Restore every buffer in the dtype it was saved in.")
+  return errors.check_floating_dtype(
+      dtypes[0] if dtypes else jnp.float32, what="from_buffers(buffers)")
 
 
-def validate_counters(counters: Mapping[str, Any], *,
-                      what: str = "from_buffers(counters)") -> dict[str, Any]:
-  """Checks saved counters and returns them as Python numbers.
-
-  Accepts the keys of :attr:`AccumState.counters`; ``total_weight`` may stand
-  in for ``weight_hi``/``weight_lo``. Missing counts default to 0 and a
-  missing loss scale to 1.
-
-  Raises:
-    WeightedAccumulationError: naming the first invalid or unknown counter.
-  """
-  known = set(COUNTER_FIELDS) | {"total_weight"}
-  unknown = sorted(set(counters) - known)
-  if unknown:
-    raise WeightedAccumulationError(
-        f"{what}: unknown counter {unknown[0]!r}; expected keys among "
-        f"{sorted(known)}.")
-  out: dict[str, Any] = {}
-  for name in _INT_COUNTERS:
-    v = _concrete_counter(counters, name, 0)
-    if isinstance(v, float):
-      if not (math.isfinite(v) and v == int(v)):
-        raise WeightedAccumulationError(
-            f"{what}: counter {name!r} is {v!r}, not a whole number.")
-      v = int(v)
-    if not isinstance(v, int) or v < 0 or v >= 2**31:
+def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
+  """Only positive-weight microbatches add to the buffers: a window of total
+  weight 0 has zero buffers (see ``docs/design.md``, "State")."""
+  for path, b in named:
+    if bool(jnp.any(b != 0)):
       raise WeightedAccumulationError(
-          f"{what}: counter {name!r} is {v!r}; it must be a whole number in "
-          "[0, 2**31). The checkpoint is corrupt or not an accumulator's.")
-    out[name] = v
-  if "total_weight" in counters:
-    if "weight_hi" in counters or "weight_lo" in counters:
-      raise WeightedAccumulationError(
-          f"{what}: give either 'total_weight' or 'weight_hi'/'weight_lo', "
-          "not both.")
-    tw = float(_concrete_counter(counters, "total_weight", 0.0))
-    hi, lo = tally.split(tw) if math.isfinite(tw) else (tw, 0.0)
-  else:
-    hi = float(_concrete_counter(counters, "weight_hi", 0.0))
-    lo = float(_concrete_counter(counters, "weight_lo", 0.0))
-  total = float(hi) + float(lo)
-  if not (math.isfinite(total) and total >= 0):
-    raise WeightedAccumulationError(
-        f"{what}: counter 'total_weight' is {total!r}; a window's weight is a "
-        "finite non-negative sum of item counts. The checkpoint is corrupt.")
-  ls = float(_concrete_counter(counters, "loss_scale", 1.0))
-  if not (math.isfinite(ls) and ls > 0):
-    raise WeightedAccumulationError(
-        f"{what}: counter 'loss_scale' is {ls!r}; it must be finite and "
-        "positive. The checkpoint is corrupt.")
-  if out["zero_weight"] + out["rejected"] > out["issued"]:
-    raise WeightedAccumulationError(
-        f"{what}: counters 'zero_weight' ({out['zero_weight']}) + 'rejected' "
-        f"({out['rejected']}) exceed 'issued' ({out['issued']}). The "
-        "checkpoint is corrupt.")
-  if out["issued"] == 0 and total != 0:
-    raise WeightedAccumulationError(
-        f"{what}: counter 'total_weight' is {total!r} but 'issued' is 0. The "
-        "checkpoint is corrupt.")
-  out.update(weight_hi=hi, weight_lo=lo, loss_scale=ls)
-  return out
+          f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
+          "say the window's total weight is 0 (only positive-weight "
+          "microbatches add to the buffers). Buffers and counters come from "
+          "different saves: restore them together.")
 
 
 def _place(buf: Any, param: Any, path: str, dtype: jnp.dtype) -> jax.Array:
-  if isinstance(param, jax.Array) and not errors.is_traced(param):
+  if isinstance(param, jax.Array) and not _tree.is_traced(param):
     target = param.sharding
     if isinstance(buf, jax.Array):
       if not buf.sharding.is_equivalent_to(target, buf.ndim):
@@ -305,32 +212,15 @@ def from_buffers(params: Any, buffers: Any,
     >>> r.total_weight, int(r.issued)
     (5.0, 1)
   """
-  leaves = errors.match_tree(params, buffers, what="from_buffers(buffers)",
-                             ref_name="params")
-  paths = errors.leaf_paths(params)
-  dtypes = {jnp.result_type(b) for b in leaves}
-  errors.check_leaves_floating(list(zip(paths, leaves)),
-                               what="from_buffers(buffers)")
-  if len(dtypes) > 1:
-    first = paths[[jnp.result_type(b) for b in leaves].index(
-        sorted(dtypes, key=str)[-1])]
-    raise WeightedAccumulationError(
-        f"from_buffers(buffers): buffers mix dtypes {sorted(map(str, dtypes))}"
-        f" (e.g. leaf {first}); an accumulator has one work dtype. Restore "
-        "every buffer in the dtype it was saved in.")
-  dtype = errors.check_floating_dtype(
-      dtypes.pop() if dtypes else jnp.float32, what="from_buffers(buffers)")
-  c = validate_counters(counters)
+  leaves = _tree.match_tree(params, buffers, what="from_buffers(buffers)",
+                            ref_name="params")
+  paths = _tree.leaf_paths(params)
+  dtype = _work_dtype(list(zip(paths, leaves)))
+  c = _counters.validate(counters)
   p_leaves, treedef = jax.tree.flatten(params)
   placed = [_place(b, p, path, dtype)
             for b, p, path in zip(leaves, p_leaves, paths)]
   if c["weight_hi"] + c["weight_lo"] == 0:
-    for path, b in zip(paths, placed):
-      if bool(jnp.any(b != 0)):
-        raise WeightedAccumulationError(
-            f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
-            "say the window's total weight is 0 (only positive-weight "
-            "microbatches add to the buffers). Buffers and counters come from "
-            "different saves: restore them together.")
+    _check_empty_window_zero(list(zip(paths, placed)))
   return AccumState(grads=jax.tree.unflatten(treedef, placed), dtype=dtype,
-                    **_counters(**c))
+                    **_counters.initial(**c))

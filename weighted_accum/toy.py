@@ -109,3 +109,12 @@ def mean_loss(model: TinyLM, batch: Batch) -> jax.Array:
   """The microbatch's loss MEAN over its valid tokens (0/0 = NaN if none)."""
   losses, mask = token_losses(model, batch)
   return jnp.sum(losses * mask) / jnp.sum(mask)
+
+
+def rel_err(tree, ref) -> float:
+  """Relative L2 error of ``tree`` against ``ref`` over all leaves, in
+  float64 NumPy (the demo's table, the tests)."""
+  a = [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+  b = [np.asarray(x, np.float64) for x in jax.tree.leaves(ref)]
+  num = sum(np.sum((x - y) ** 2) for x, y in zip(a, b))
+  return float(np.sqrt(num / sum(np.sum(y**2) for y in b)))

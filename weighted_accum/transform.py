@@ -7,42 +7,8 @@ inner optimizer once. Unlike ``optax.MultiSteps`` it weights unequal
 microbatches correctly, never runs the inner update mid-window, and never
 multiplies by a 0/1 mask (so a NaN cannot leak through ``0 * NaN``).
 
-How a step is laid out, and why (each alternative measured with
-``compiled.memory_analysis()`` of a donated mid-window AdamW step on XLA:CPU,
-jax 0.10; P = the params' bytes). XLA:CPU allocates an executable's
-temporaries as one block per call, sized for the costlier branch of every
-conditional, and a block above 64 MiB is mmapped and page-faulted afresh on
-every call: a temporary of 1 P made the mid-window step 3x slower at 16M
-params (``benchmarks/run.py``), even though only a close needs it.
-
-1. The microbatch is accumulated outside any conditional, in place.
-2. ``lax.cond(closing, ...)``: at a close, the window's validity from
-   ``finish_sums`` (the pending sums are read in place; ``finish_mean``'s
-   normalised copy would be a 1 P temporary, because XLA:CPU does not fuse
-   the division into the finiteness reduction) and, under a nested
-   ``lax.cond`` on it, ``finish_mean`` fused into the inner update, whose
-   updates are written over the window's buffers (the "carrier").
-   Mid-window both branches return the buffers and the inner state
-   untouched: no write, no copy.
-3. After the conditional, two selects: ``updates = where(applied, carrier,
-   0)``, which XLA fuses into the caller's ``optax.apply_updates``, and the
-   next window's buffers ``where(consumed, 0, carrier)``, written in place
-   after the caller's read.
-
-Result: params, buffers and inner state aliased, no parameter-sized
-temporary (``optax.MultiSteps``: 3.0 P); mid-window the step reads and writes
-the buffers and params only (about 2-3x a bare donated add, vs 15-23x for
-``optax.MultiSteps``). When the updates cannot live in the buffers exactly
-(another tree, or a work dtype narrower than the updates', e.g. bfloat16
-buffers for float32 params), the zero updates come out of the conditional
-instead (1.0 P). Rejected layouts: zeroing the buffers in a second
-conditional copies the carrier (the caller still reads it); one conditional
-that also resets the buffers makes XLA copy every buffer on every mid-window
-step (2.0 P); keeping the inner state on invalid windows with ``jnp.where``
-instead of the nested conditional copies the inner state (3.0 P). Callers
-that do not need optax's ``updates`` should use the functional API
-(:func:`weighted_accum.accumulate_mean` and friends) directly: mid-window it
-touches the buffers only.
+Why a step is laid out as it is (and the layouts rejected, with their
+measured memory): ``docs/design.md`` ("The optax wrapper's step layout").
 """
 
 from __future__ import annotations
@@ -56,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from weighted_accum import _finish
+from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
@@ -329,7 +297,7 @@ def weighted_multi_steps(
     if params is None:
       like = jax.tree.leaves(grads)
     else:
-      like = errors.match_tree(state.accum.grads, params,
+      like = _tree.match_tree(state.accum.grads, params,
                                what="update(params)")
 
     def apply(g, inner_state, params):
@@ -345,7 +313,7 @@ def weighted_multi_steps(
     # conditionals then pass the buffers through untouched mid-window, and
     # the zero updates are a select that XLA fuses into the caller's
     # ``optax.apply_updates``, so no parameter-sized temporary exists. See
-    # the module docstring.
+    # docs/design.md.
     buf_leaves, buf_def = jax.tree.flatten(accum.grads)
     upd_leaves, upd_def = jax.tree.flatten(shapes)
     carry = upd_def == buf_def and all(
@@ -367,11 +335,9 @@ def weighted_multi_steps(
       # The window's validity from its sums, read in place: finish_mean's
       # normalised copy would be a parameter-sized temporary (XLA:CPU does
       # not fuse the division into the finiteness reduction).
-      out, reset = core.finish_sums(accum, next_loss_scale=next_loss_scale)
-      nonempty = out.weight > 0
-      out = out.replace(valid=out.finite & nonempty)
-      # As finish_mean: an empty window keeps its counters.
-      new_accum = core.keep_unless(nonempty, reset, accum)
+      # As finish_mean: an empty window keeps its counters (keep_empty).
+      out, new_accum = _finish.finish(accum, mean=False, keep_empty=True,
+                                      next_loss_scale=next_loss_scale)
 
       def apply_window(buffers, inner_state, params):
         # finish_mean's division, inside the branch, so that XLA fuses it
@@ -380,9 +346,7 @@ def weighted_multi_steps(
         # least float32 (not rounded back to a narrower work dtype): when
         # total weight * loss scale < 1 the mean can exceed float16's range
         # although the sums, whose finiteness ``valid`` checked, do not.
-        wide = jax.tree.map(lambda b: b.astype(core.compute_dtype(b.dtype)),
-                            buffers)
-        g, _ = core.normalise(wide, accum.loss_scale, out.weight)
+        g = _finish.divide(buffers, accum.loss_scale, out.weight, wide=True)
         upd, new_inner = apply(g, inner_state, params)
         return (to_carrier(upd, buffers) if carry else upd), new_inner
 

@@ -1,10 +1,5 @@
-"""Exact running totals of microbatch weights in a pair of float32 numbers.
-
-The window's total weight is kept as an unevaluated sum ``hi + lo`` of two
-float32 values updated with Knuth's error-free TwoSum, so integer weights add
-exactly up to a total of about 2**48 without ``jax_enable_x64`` (a single
-float32 counter is exact only to 2**24). ``hi`` alone is the total rounded to
-float32, which is what the division in ``finish_mean`` uses.
+"""Exact running totals of microbatch weights in a pair of float32 numbers
+(Knuth's TwoSum); see ``docs/design.md`` ("Exact weight totals").
 """
 
 from __future__ import annotations

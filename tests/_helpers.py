@@ -1,0 +1,54 @@
+"""Shared test helpers: the regression model with per-item weights, its
+losses, and the relative errors the tests compare with.
+
+A one-hidden-layer regression: item i of a microbatch has weight ``m[i]`` (0
+for padding, fractional allowed); the loss SUM is ``sum(m * l)`` and the loss
+MEAN is that divided by ``sum(m)`` (NaN for an all-zero microbatch: 0/0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from weighted_accum.toy import rel_err  # noqa: F401  (the demo's, reused)
+
+
+def make_params(seed: int = 0, d: int = 5, h: int = 8) -> dict[str, np.ndarray]:
+  """Host params of the model: ``d`` inputs, ``h`` hidden units."""
+  rng = np.random.default_rng(seed)
+  return {
+      "w1": (rng.standard_normal((d, h)) / np.sqrt(d)).astype(np.float32),
+      "b1": (0.1 * rng.standard_normal(h)).astype(np.float32),
+      "w2": (rng.standard_normal(h) / np.sqrt(h)).astype(np.float32),
+  }
+
+
+def per_item_loss(p, x, y):
+  h = jnp.tanh(x @ p["w1"] + p["b1"])
+  return (h @ p["w2"] - y) ** 2
+
+
+def loss_sum(p, x, y, m):
+  return jnp.sum(m * per_item_loss(p, x, y))
+
+
+def loss_mean(p, x, y, m):
+  return loss_sum(p, x, y, m) / jnp.sum(m)   # NaN for an empty microbatch
+
+
+def max_rel_err(got, ref) -> float:
+  """The largest error relative to its leaf's scale: max over leaves of
+  ``max|got - ref| / max|ref|``.
+
+  Leaf-scaled, because a single gradient component can be a near-zero
+  difference of large terms; there float32 summation order alone moves it
+  by 1e-5 of its own size while the error against the leaf is ~1e-7.
+  """
+  errs = []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    errs.append(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+  return float(max(errs))

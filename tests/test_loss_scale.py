@@ -1,0 +1,450 @@
+"""Tests for weighted_accum.loss_scale (issue 13): the window-level dynamic
+loss scale.
+
+References are independent of the code under test: a pure-Python transcript
+of PyTorch GradScaler's update rule (``_amp_update_scale_``) plus the
+``min_scale`` floor, hand-computed numbers, NumPy snapshots taken before a
+save, an uninterrupted run against a resumed one, and float32 training of the
+demo model for the float16 run.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+from hypothesis import given
+from hypothesis import strategies as st
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import weighted_accum as wa
+from weighted_accum.checkpoint import AccumCheckpointHandler
+
+PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(2)}
+
+
+# The reference: GradScaler's rule, one update per window -------------------
+
+
+def gradscaler_update(scale: float, tracker: int, finite: bool, *,
+                      growth_factor: float, backoff_factor: float,
+                      growth_interval: int, min_scale: float
+                      ) -> tuple[float, int]:
+  """PyTorch's ``_amp_update_scale_`` kernel in Python floats (the scale is a
+  float32 tensor, the factors doubles), plus the ``min_scale`` floor."""
+  with np.errstate(over="ignore"):
+    if not finite:
+      return max(float(np.float32(scale * backoff_factor)), min_scale), 0
+    successful = tracker + 1
+    if successful == growth_interval:
+      grown = float(np.float32(scale * growth_factor))
+      return (grown if math.isfinite(grown) else scale), 0
+    return scale, successful
+
+
+def reference_run(scale, flags, **config) -> list[tuple[float, int]]:
+  out, tracker = [], 0
+  for f in flags:
+    scale, tracker = gradscaler_update(scale, tracker, f, **config)
+    out.append((scale, tracker))
+  return out
+
+
+def _trajectory(scaler, flags, jit):
+  adjust = jax.jit(lambda s, f: s.adjust(f)) if jit else (
+      lambda s, f: s.adjust(f))
+  out = []
+  for f in flags:
+    scaler = adjust(scaler, f if jit else bool(f))
+    out.append((float(scaler.scale), int(scaler.growth_tracker)))
+  return out
+
+
+CONFIGS = st.fixed_dictionaries(dict(
+    growth_factor=st.sampled_from([2.0, 1.5, 4.0, 1.25]),
+    backoff_factor=st.sampled_from([0.5, 0.25, 0.75, 0.125]),
+    growth_interval=st.integers(1, 5),
+    min_scale=st.sampled_from([1.0, 0.5, 2.0**-10, 1024.0]),
+))
+
+
+@given(config=CONFIGS, scale_exp=st.integers(-10, 127),
+       flags=st.lists(st.booleans(), min_size=1, max_size=40),
+       jit=st.booleans())
+def test_rule_matches_gradscaler_reference(config, scale_exp, flags, jit):
+  scale = max(2.0**scale_exp, config["min_scale"])
+  scaler = wa.DynamicLossScale(scale, **config)
+  assert _trajectory(scaler, flags, jit) == reference_run(scale, flags,
+                                                          **config)
+
+
+def test_scripted_windows_defaults_window_by_window(variant):
+  # GradScaler's defaults except the interval: back off, floor, grow.
+  flags = [False, True, True, True, False, False, False, True, True, True]
+  scaler = wa.DynamicLossScale(8.0, growth_interval=3, min_scale=2.0)
+  adjust = variant(lambda s, f: s.adjust(f))
+  got = []
+  for f in flags:
+    scaler = adjust(scaler, jnp.bool_(f))
+    got.append((float(scaler.scale), int(scaler.growth_tracker)))
+  assert got == [(4.0, 0), (4.0, 1), (4.0, 2), (8.0, 0), (4.0, 0), (2.0, 0),
+                 (2.0, 0), (2.0, 1), (2.0, 2), (4.0, 0)]
+  assert got == reference_run(8.0, flags, growth_factor=2.0,
+                              backoff_factor=0.5, growth_interval=3,
+                              min_scale=2.0)
+
+
+def test_gradscaler_default_interval_2000():
+  scaler = wa.DynamicLossScale(2.0**16)
+  assert (scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval,
+          scaler.min_scale) == (2.0, 0.5, 2000, 1.0)
+  step = jax.jit(lambda s: jax.lax.fori_loop(
+      0, 1999, lambda i, s: s.adjust(jnp.bool_(True)), s))
+  scaler = step(scaler)
+  assert (float(scaler.scale), int(scaler.growth_tracker)) == (2.0**16, 1999)
+  scaler = scaler.adjust(True)
+  assert (float(scaler.scale), int(scaler.growth_tracker)) == (2.0**17, 0)
+
+
+def test_growth_that_would_overflow_float32_keeps_the_scale(variant):
+  top = float(np.finfo(np.float32).max)
+  scaler = wa.DynamicLossScale(2.0**127, growth_interval=1)
+  out = variant(lambda s: s.adjust(True))(scaler)
+  assert float(out.scale) == 2.0**127 and int(out.growth_tracker) == 0
+  big = wa.DynamicLossScale(top, growth_interval=1, growth_factor=1.5)
+  assert float(variant(lambda s: s.adjust(True))(big).scale) == top
+
+
+def test_scan_over_windows_matches_reference():
+  flags = np.array([True] * 5 + [False] * 3 + [True] * 7)
+  scaler = wa.DynamicLossScale(2.0**15, growth_interval=4, min_scale=2.0**13)
+
+  def body(s, f):
+    s = s.adjust(f)
+    return s, (s.scale, s.growth_tracker)
+
+  _, (scales, trackers) = jax.jit(lambda s, fs: jax.lax.scan(body, s, fs))(
+      scaler, jnp.asarray(flags))
+  ref = reference_run(2.0**15, flags.tolist(), growth_factor=2.0,
+                      backoff_factor=0.5, growth_interval=4,
+                      min_scale=2.0**13)
+  assert list(zip(scales.tolist(), trackers.tolist())) == ref
+
+
+# The pytree -------------------------------------------------------------------
+
+
+def test_is_an_immutable_pytree_with_two_leaves():
+  scaler = wa.DynamicLossScale(2.0**16, growth_interval=7)
+  leaves, treedef = jax.tree.flatten(scaler)
+  assert [np.asarray(x).dtype for x in leaves] == [np.float32, np.int32]
+  assert [jax.tree_util.keystr(p) for p, _ in
+          jax.tree_util.tree_flatten_with_path(scaler)[0]] == [
+              ".scale", ".growth_tracker"]
+  again = jax.tree.unflatten(treedef, leaves)
+  assert again.growth_interval == 7 and float(again.scale) == 2.0**16
+  with pytest.raises(AttributeError):
+    scaler.scale = 1.0  # frozen
+  # Static fields are part of the tree structure (a new config recompiles).
+  assert treedef != jax.tree.structure(wa.DynamicLossScale(2.0**16))
+
+
+def test_jit_with_donation_and_one_compile():
+  step = jax.jit(lambda s, f: s.adjust(f), donate_argnums=0)
+  scaler = wa.DynamicLossScale(2.0**16, growth_interval=2)
+  for f in [True, False, True, True]:
+    scaler = step(scaler, jnp.bool_(f))
+  assert (float(scaler.scale), int(scaler.growth_tracker)) == (2.0**16, 0)
+  assert step._cache_size() == 1  # pylint: disable=protected-access
+
+
+def test_replace_is_validated():
+  scaler = wa.DynamicLossScale(2.0**16)
+  assert int(scaler.replace(growth_tracker=5).growth_tracker) == 5
+  with pytest.raises(wa.WeightedAccumulationError, match="growth_tracker"):
+    scaler.replace(growth_tracker=2000)
+  with pytest.raises(wa.WeightedAccumulationError, match="scale"):
+    scaler.replace(scale=float("nan"))
+
+
+# Validation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(scale=0.0), "scale"),
+    (dict(scale=-1.0), "scale"),
+    (dict(scale=float("inf")), "scale"),
+    (dict(scale=float("nan")), "scale"),
+    (dict(scale=1e39), "scale"),            # beyond float32
+    (dict(scale=1e-46), "scale"),           # rounds to 0 in float32
+    (dict(scale=np.ones(2)), "scale"),
+    (dict(scale=True), "scale"),
+    (dict(scale="65536"), "scale"),
+    (dict(scale=0.5), "min_scale"),         # below the default min_scale 1
+    (dict(scale=4.0, min_scale=8.0), "min_scale"),
+    (dict(growth_factor=1.0), "growth_factor"),
+    (dict(growth_factor=0.5), "growth_factor"),
+    (dict(growth_factor=1 + 1e-9), "growth_factor"),  # 1.0 in float32
+    (dict(growth_factor=float("inf")), "growth_factor"),
+    (dict(growth_factor=jnp.float32(2.0) + jnp.zeros(2)), "growth_factor"),
+    (dict(backoff_factor=1.0), "backoff_factor"),
+    (dict(backoff_factor=0.0), "backoff_factor"),
+    (dict(backoff_factor=-0.5), "backoff_factor"),
+    (dict(backoff_factor=float("nan")), "backoff_factor"),
+    (dict(growth_interval=0), "growth_interval"),
+    (dict(growth_interval=-3), "growth_interval"),
+    (dict(growth_interval=2000.0), "growth_interval"),
+    (dict(growth_interval=True), "growth_interval"),
+    (dict(growth_interval=2**31), "growth_interval"),
+    (dict(min_scale=0.0), "min_scale"),
+    (dict(min_scale=float("nan")), "min_scale"),
+    (dict(min_scale=-1.0), "min_scale"),
+    (dict(growth_tracker=-1), "growth_tracker"),
+    (dict(growth_tracker=2000), "growth_tracker"),
+    (dict(growth_tracker=1.5), "growth_tracker"),
+])
+def test_constructor_names_the_invalid_argument(kwargs, needle):
+  kwargs = dict(kwargs)
+  scale = kwargs.pop("scale", 2.0**16)
+  with pytest.raises(wa.WeightedAccumulationError, match=needle) as e:
+    wa.DynamicLossScale(scale, **kwargs)
+  assert isinstance(e.value, ValueError)
+
+
+def test_constructor_accepts_numpy_and_jax_scalars():
+  s = wa.DynamicLossScale(np.float32(1024), growth_factor=np.float64(2),
+                          growth_interval=np.int64(10),
+                          growth_tracker=jnp.int32(3))
+  assert (float(s.scale), int(s.growth_tracker), s.growth_interval) == (
+      1024.0, 3, 10)
+  assert type(s.growth_interval) is int and type(s.growth_factor) is float
+  # A factor is used in float32, as the scale's arithmetic does.
+  assert wa.DynamicLossScale(4.0, growth_factor=1.1).growth_factor == float(
+      np.float32(1.1))
+
+
+def test_constructor_under_jit_checks_only_shape_and_type():
+  make = jax.jit(lambda x: wa.DynamicLossScale(x, growth_interval=3).adjust(
+      jnp.bool_(False)))
+  assert float(make(jnp.float32(8.0)).scale) == 4.0
+  with pytest.raises(wa.WeightedAccumulationError, match="scale"):
+    jax.jit(lambda x: wa.DynamicLossScale(x))(jnp.ones(2))
+
+
+@pytest.mark.parametrize("finite", [1, 1.0, np.array([True, False]),
+                                    jnp.ones(3, bool), None])
+def test_adjust_refuses_anything_but_a_bool_scalar(finite):
+  scaler = wa.DynamicLossScale(2.0**16)
+  with pytest.raises(wa.WeightedAccumulationError, match="finite"):
+    scaler.adjust(finite)
+
+
+# The functional pattern: finish, adjust, next window at the new scale ------
+
+
+def _scaled_grads(scale, value=1.0):
+  return jax.tree.map(lambda p: jnp.full_like(p, value) * scale, PARAMS)
+
+
+def test_set_loss_scale_on_a_fresh_window(variant):
+  state = wa.init(PARAMS, loss_scale=8.0)
+  out = variant(wa.set_loss_scale)(state, 2.0**10)
+  assert float(out.loss_scale) == 2.0**10
+  for a, b in zip(jax.tree.leaves(out.replace(loss_scale=state.loss_scale)),
+                  jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  scaler = wa.DynamicLossScale(32.0)
+  assert float(variant(wa.set_loss_scale)(state, scaler).loss_scale) == 32.0
+
+
+def test_set_loss_scale_after_only_zero_weight_microbatches():
+  state = wa.accumulate_sum(wa.init(PARAMS), _scaled_grads(1.0, np.nan), 0)
+  out = wa.set_loss_scale(state, 4.0)
+  assert float(out.loss_scale) == 4.0 and int(out.issued) == 1
+
+
+def test_set_loss_scale_refuses_a_window_holding_weight_eagerly():
+  state = wa.accumulate_sum(wa.init(PARAMS, loss_scale=8.0),
+                            _scaled_grads(8.0), 3)
+  before = jax.tree.map(np.asarray, state)
+  with pytest.raises(wa.WeightedAccumulationError,
+                     match="holds total weight 3.0.*constant within a window"):
+    wa.set_loss_scale(state, 4.0)
+  jax.tree.map(np.testing.assert_array_equal, before,
+               jax.tree.map(np.asarray, state))
+
+
+def test_set_loss_scale_under_jit_keeps_the_scale_of_a_window_holding_weight():
+  state = wa.accumulate_sum(wa.init(PARAMS, loss_scale=8.0),
+                            _scaled_grads(8.0), 3)
+  out = jax.jit(wa.set_loss_scale)(state, 4.0)
+  assert float(out.loss_scale) == 8.0
+  # And checkify reports it.
+  checked = checkify.checkify(
+      jax.jit(lambda s, x: wa.set_loss_scale(s, x, checked=True)))
+  err, _ = checked(state, jnp.float32(4.0))
+  assert "already holds weight" in err.get()
+  err, out = checked(wa.init(PARAMS), jnp.float32(4.0))
+  assert err.get() is None and float(out.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, np.inf, np.nan])
+def test_set_loss_scale_refuses_an_invalid_scale(bad):
+  state = wa.init(PARAMS, loss_scale=8.0)
+  with pytest.raises(wa.WeightedAccumulationError, match="loss_scale"):
+    wa.set_loss_scale(state, bad)
+  out = jax.jit(wa.set_loss_scale)(state, jnp.float32(bad))
+  assert float(out.loss_scale) == 8.0
+  err, _ = checkify.checkify(jax.jit(
+      lambda s, x: wa.set_loss_scale(s, x, checked=True)))(state,
+                                                           jnp.float32(bad))
+  assert "not finite and positive" in err.get()
+
+
+def test_set_loss_scale_refuses_a_non_state():
+  with pytest.raises(wa.WeightedAccumulationError, match="AccumState"):
+    wa.set_loss_scale(PARAMS, 2.0)
+
+
+def _window(state, scaler, grads, weight):
+  """The documented pattern, one window."""
+  state = wa.accumulate_mean(state, grads, weight)
+  out, state = wa.finish_mean(state)
+  scaler = scaler.adjust(out.finite)
+  state = wa.set_loss_scale(state, scaler)
+  return out, state, scaler
+
+
+def test_functional_pattern_window_by_window(variant):
+  """Each window is accumulated at the scale the scaler chose after the
+  previous one, and unscaled by it."""
+  scaler = wa.DynamicLossScale(2.0**4, growth_interval=2)
+  state = wa.init(PARAMS, loss_scale=scaler.scale)
+  window = variant(_window)
+  overflow = [False, True, False, False, False, True, False]
+  expected_scales = [16.0, 16.0, 8.0, 8.0, 16.0, 16.0, 8.0]
+  for over, want in zip(overflow, expected_scales):
+    assert float(state.loss_scale) == want == float(scaler.scale)
+    # A mean gradient of 0.25, scaled by the window's scale (or an Inf).
+    g = _scaled_grads(state.loss_scale, np.inf if over else 0.25)
+    out, state, scaler = window(state, scaler, g, 4.0)
+    assert bool(out.finite) == (not over)
+    assert float(out.loss_scale) == want
+    if not over:
+      for x in jax.tree.leaves(out.grads):
+        np.testing.assert_array_equal(x, 0.25)
+  assert int(state.windows) == len(overflow)
+
+
+# Checkpointing ----------------------------------------------------------------
+
+
+def _save(path, tree) -> None:
+  with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
+    ckptr.save(path, args=wa.AccumSave(tree))
+
+
+def _restore(path, template):
+  with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
+    return ckptr.restore(path, args=wa.AccumRestore(template))
+
+
+def _run_windows(state, scaler, flags, start):
+  for i, f in enumerate(flags):
+    g = _scaled_grads(state.loss_scale, (start + i + 1) if f else np.nan)
+    _, state, scaler = _window(state, scaler, g, 2.0)
+  return state, scaler
+
+
+@pytest.mark.parametrize("stop", [3, 6])
+def test_checkpoint_between_windows_restores_scale_and_tracker(tmp_path,
+                                                               stop):
+  config = dict(growth_interval=3, min_scale=2.0)
+  flags = [True, True, False, True, True, True, True, False, True, True]
+  scaler0 = wa.DynamicLossScale(2.0**8, **config)
+  state0 = wa.init(PARAMS, loss_scale=scaler0.scale)
+  # Uninterrupted.
+  want_state, want = _run_windows(state0, scaler0, flags, 0)
+  # Interrupted between windows, restored into fresh templates.
+  state, scaler = _run_windows(state0, scaler0, flags[:stop], 0)
+  saved = {"accum": state, "scaler": scaler}
+  snapshot = jax.tree.map(np.asarray, saved)
+  _save(tmp_path / "ckpt", saved)
+  template = {"accum": wa.init(PARAMS),
+              "scaler": wa.DynamicLossScale(2.0**8, **config)}
+  template_before = jax.tree.map(np.asarray, template)
+  got = _restore(tmp_path / "ckpt", template)
+  assert type(got["scaler"]) is wa.DynamicLossScale
+  for a, b in zip(jax.tree.leaves(snapshot), jax.tree.leaves(got)):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
+    np.testing.assert_array_equal(a, b)
+  assert got["scaler"].growth_interval == 3
+  jax.tree.map(np.testing.assert_array_equal, template_before,
+               jax.tree.map(np.asarray, template))
+  # The resumed run continues the same scale and tracker.
+  state, scaler = _run_windows(got["accum"], got["scaler"], flags[stop:],
+                               stop)
+  assert (float(scaler.scale), int(scaler.growth_tracker)) == (
+      float(want.scale), int(want.growth_tracker))
+  assert float(state.loss_scale) == float(want_state.loss_scale)
+
+
+def test_checkpoint_of_a_scaler_alone_with_a_manager(tmp_path):
+  scaler = wa.DynamicLossScale(2.0**20, growth_interval=5).adjust(True)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(1, args=ocp.args.Composite(scaler=wa.AccumSave(scaler)))
+    mngr.wait_until_finished()
+    out = mngr.restore(1, args=ocp.args.Composite(
+        scaler=wa.AccumRestore(wa.DynamicLossScale(1.0, growth_interval=5))))
+  assert (float(out.scaler.scale), int(out.scaler.growth_tracker)) == (
+      2.0**20, 1)
+
+
+def _corrupt(scale, tracker, interval=5):
+  """A scaler holding given raw values (as a corrupt file would)."""
+  good = wa.DynamicLossScale(2.0**10, growth_interval=interval)
+  treedef = jax.tree.structure(good)
+  return jax.tree.unflatten(treedef, [jnp.float32(scale), jnp.int32(tracker)])
+
+
+@pytest.mark.parametrize("scale, tracker, needle", [
+    (np.nan, 0, "scale"),
+    (np.inf, 0, "scale"),
+    (0.0, 0, "scale"),
+    (-4.0, 0, "scale"),
+    (0.25, 0, "min_scale"),
+    (8.0, -1, "growth_tracker"),
+    (8.0, 5, "growth_tracker"),
+])
+def test_restore_refuses_a_corrupt_scaler(tmp_path, scale, tracker, needle):
+  _save(tmp_path / "ckpt", {"opt": {"scaler": _corrupt(scale, tracker)}})
+  template = {"opt": {"scaler": wa.DynamicLossScale(2.0**10,
+                                                    growth_interval=5)}}
+  before = jax.tree.map(np.asarray, template)
+  with pytest.raises(wa.WeightedAccumulationError,
+                     match=r"\['opt'\]\['scaler'\].*" + needle):
+    _restore(tmp_path / "ckpt", template)
+  jax.tree.map(np.testing.assert_array_equal, before,
+               jax.tree.map(np.asarray, template))
+
+
+def test_restore_refuses_a_scale_saved_in_another_dtype(tmp_path):
+  treedef = jax.tree.structure(wa.DynamicLossScale(2.0))
+  saved = jax.tree.unflatten(treedef, [jnp.bfloat16(2.0), jnp.int32(0)])
+  _save(tmp_path / "ckpt", saved)
+  with pytest.raises(wa.WeightedAccumulationError, match="scale"):
+    _restore(tmp_path / "ckpt", wa.DynamicLossScale(2.0))
+
+
+def test_save_refuses_a_traced_scaler():
+  def save_inside(s):
+    _save(tempfile.mkdtemp() + "/x", s)
+    return s
+
+  with pytest.raises(wa.WeightedAccumulationError, match="traced"):
+    jax.jit(save_inside)(wa.DynamicLossScale(2.0))
