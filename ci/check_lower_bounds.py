@@ -54,8 +54,10 @@ def main() -> int:
   floors.update({n: extra[n] for n in pins if n not in floors and n in extra})
   for name, floor in floors.items():
     if not _same(pins.get(name), floor):
-      bad.append(f"{name}: pyproject floor {floor}, lower-bounds.txt pins "
-                 f"{pins.get(name)}")
+      bad.append(
+        f"{name}: pyproject floor {floor}, lower-bounds.txt pins "
+        f"{pins.get(name)}"
+      )
     installed = importlib.metadata.version(name)
     if not _same(installed, floor):
       bad.append(f"{name}: installed {installed}, floor {floor}")

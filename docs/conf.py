@@ -31,8 +31,10 @@ def _copy_notebooks() -> None:
     if old.name not in wanted:
       old.unlink()
   for name in sorted(wanted):
-    if (not (dst / name).exists()
-        or (dst / name).read_bytes() != (src / name).read_bytes()):
+    if (
+      not (dst / name).exists()
+      or (dst / name).read_bytes() != (src / name).read_bytes()
+    ):
       shutil.copyfile(src / name, dst / name)
 
 
@@ -47,22 +49,29 @@ release = weighted_accum.__version__
 version = release
 
 extensions = [
-    "myst_nb",  # Markdown (MyST) pages and .ipynb notebooks
-    "sphinx.ext.autodoc",
-    "sphinx.ext.napoleon",  # Google-style docstrings
-    "sphinx.ext.intersphinx",
-    "sphinx.ext.mathjax",
-    "sphinx.ext.viewcode",
-    "api_all",  # the API reference from weighted_accum.__all__
+  "myst_nb",  # Markdown (MyST) pages and .ipynb notebooks
+  "sphinx.ext.autodoc",
+  "sphinx.ext.napoleon",  # Google-style docstrings
+  "sphinx.ext.intersphinx",
+  "sphinx.ext.mathjax",
+  "sphinx.ext.viewcode",
+  "api_all",  # the API reference from weighted_accum.__all__
 ]
 
-source_suffix = {".rst": "restructuredtext", ".md": "myst-nb",
-                 ".ipynb": "myst-nb"}
-exclude_patterns = ["_build", "_ext", "Thumbs.db", ".DS_Store",
-                    "**/.ipynb_checkpoints"]
+source_suffix = {
+  ".rst": "restructuredtext",
+  ".md": "myst-nb",
+  ".ipynb": "myst-nb",
+}
+exclude_patterns = [
+  "_build",
+  "_ext",
+  "Thumbs.db",
+  ".DS_Store",
+  "**/.ipynb_checkpoints",
+]
 
-myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence",
-                          "deflist"]
+myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
 
 # Notebooks are shown with their stored outputs; the test suite executes them.

@@ -34,8 +34,9 @@ def _regions():
     text = page.read_text()
     for m in _REGION.finditer(text):
       rel = page.relative_to(ROOT).as_posix()
-      yield pytest.param(rel, m.group(1), _BLOCK.findall(m.group(2)),
-                         id=f"{rel}::{m.group(1)}")
+      yield pytest.param(
+        rel, m.group(1), _BLOCK.findall(m.group(2)), id=f"{rel}::{m.group(1)}"
+      )
 
 
 REGIONS = list(_regions())
@@ -48,8 +49,10 @@ def test_two_setup_commands_first_and_ci_runs_the_test_one():
   assert lines[0].endswith("-m weighted_accum") and "pytest" in lines[1]
   ci = (ROOT / ".ci" / "run").read_text()
   assert "grep -m1 -E '^python3 -m venv .* -m pytest' README.md" in ci
-  assert re.search(r"^python3 -m venv .* -m pytest.*$", README, re.M).group(0) \
-      == lines[1]
+  assert (
+    re.search(r"^python3 -m venv .* -m pytest.*$", README, re.M).group(0)
+    == lines[1]
+  )
 
 
 def test_readme_is_at_most_8_kb():
@@ -58,21 +61,22 @@ def test_readme_is_at_most_8_kb():
 
 def test_readme_has_a_quickstart_and_shows_how_to_build_the_docs():
   assert any(r.values[:2] == ("README.md", "quickstart") for r in REGIONS)
-  assert re.search(r"^.*-m sphinx -W --keep-going -b html docs .*$", README,
-                   re.M)
+  assert re.search(
+    r"^.*-m sphinx -W --keep-going -b html docs .*$", README, re.M
+  )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_every_python_example_is_executed(page):
   text = page.read_text()
-  covered = sum(len(_BLOCK.findall(m.group(2)))
-                for m in _REGION.finditer(text))
+  covered = sum(len(_BLOCK.findall(m.group(2))) for m in _REGION.finditer(text))
   skipped = len(_SKIP.findall(text))
   total = len(_BLOCK.findall(text))
   assert covered + skipped == total, (
-      f"{page.name}: {total - covered - skipped} ```python block(s) outside "
-      "a <!-- BEGIN name --> ... <!-- END name --> region (see this test "
-      "module's docstring)")
+    f"{page.name}: {total - covered - skipped} ```python block(s) outside "
+    "a <!-- BEGIN name --> ... <!-- END name --> region (see this test "
+    "module's docstring)"
+  )
 
 
 def test_regions_are_well_formed():

@@ -23,9 +23,13 @@ def _kind(obj) -> str:
   return "function" if callable(obj) else "data"
 
 
-_TITLES = (("function", "Functions"), ("class", "Classes"),
-           ("exception", "Exceptions"), ("data", "Constants"),
-           ("module", "Submodules"))
+_TITLES = (
+  ("function", "Functions"),
+  ("class", "Classes"),
+  ("exception", "Exceptions"),
+  ("data", "Constants"),
+  ("module", "Submodules"),
+)
 
 
 def api_lines(package: str) -> list[str]:
@@ -49,8 +53,11 @@ def api_lines(package: str) -> list[str]:
 def _entry(package, name, obj, kind, top) -> list[str]:
   full = f"{package}.{name}"
   if kind == "module":
-    hidden = [n for n in getattr(obj, "__all__", dir(obj))
-              if id(getattr(obj, n, None)) in top]
+    hidden = [
+      n
+      for n in getattr(obj, "__all__", dir(obj))
+      if id(getattr(obj, n, None)) in top
+    ]
     opts = ["   :members:"]
     if hidden:
       opts.append("   :exclude-members: " + ", ".join(sorted(hidden)))
@@ -76,8 +83,9 @@ class ApiAll(SphinxDirective):
 
   def run(self) -> list[nodes.Node]:
     lines = api_lines(self.arguments[0])
-    self.env.note_dependency(importlib.import_module(
-        self.arguments[0]).__file__)
+    self.env.note_dependency(
+      importlib.import_module(self.arguments[0]).__file__
+    )
     node = nodes.section()
     node.document = self.state.document
     nested_parse_with_titles(self.state, StringList(lines, "<wa-api>"), node)
