@@ -20,6 +20,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum import _tree
 from weighted_accum import errors
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
@@ -335,7 +336,7 @@ def check_restored(tree: Any, *, what: str) -> None:
       node.replace()
     except WeightedAccumulationError as e:
       raise WeightedAccumulationError(
-          f"{what}: DynamicLossScale at {errors.path_str(path)}: {e} The "
+          f"{what}: DynamicLossScale at {_tree.path_str(path)}: {e} The "
           "checkpoint is corrupt, or was saved by a scaler configured "
           "differently from the template's (restore with the saving run's "
           "configuration).") from e

@@ -1,19 +1,18 @@
 """The optax wrapper: ``weighted_multi_steps``, a weighted ``optax.MultiSteps``.
 
-``weighted_multi_steps(inner, every_k)`` accumulates each microbatch's
-gradients with its weight (its effective item count) and, when the window
-closes, hands the exact full-window gradient ``sum grad(S) / sum n`` to the
-inner optimizer once. Unlike ``optax.MultiSteps`` it weights unequal
-microbatches correctly, never runs the inner update mid-window, and never
-multiplies by a 0/1 mask (so a NaN cannot leak through ``0 * NaN``).
-
-Why a step is laid out as it is (and the layouts rejected, with their
-measured memory): ``docs/design.md`` ("The optax wrapper's step layout").
+:func:`weighted_multi_steps` accumulates each microbatch's gradients with its
+weight and, when the window closes, hands the exact window gradient
+``sum grad(S) / sum n`` to the inner optimizer once. Also here: its state
+(:class:`WeightedMultiStepsState`) and the readers :func:`has_updated` and
+:func:`window_counters`. How a step is laid out in memory, and why (the
+updates travel in the window's buffers; two selects after one conditional),
+is in ``docs/design.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -163,6 +162,221 @@ def _check_finish(finish: Any) -> jax.Array:
   return jnp.asarray(finish)
 
 
+class _Config(NamedTuple):
+  """The static choices of one :func:`weighted_multi_steps` transformation."""
+  inner: optax.GradientTransformationExtraArgs
+  every_k: int | None
+  mode: str
+  dtype: jnp.dtype
+  loss_scale: Any
+  axis_name: str | Sequence[str] | None
+
+
+class _Closed(NamedTuple):
+  """What :func:`_close` and :func:`_stay_open` return.
+
+  Attributes:
+    carrier: the applied window's updates written over its buffers (when
+      ``carry``), else the updates themselves; mid-window and for a skipped
+      window: the buffers (``carry``) or zero updates.
+    inner_state: the inner optimizer's state, advanced only if ``applied``.
+    counters: the next window's counters (an ``AccumState`` without grads).
+    applied: the inner update was applied.
+    nonfinite: the window was discarded for NaN/Inf pending gradients.
+    consumed: the window is over (its buffers are zeroed for the next one).
+    empty: a close of a window with zero total weight (kept open).
+  """
+  carrier: Any
+  inner_state: Any
+  counters: state_lib.AccumState
+  applied: jax.Array
+  nonfinite: jax.Array
+  consumed: jax.Array
+  empty: jax.Array
+
+
+def _accumulate(cfg: _Config, accum: state_lib.AccumState, grads: Any,
+                weight: Any) -> state_lib.AccumState:
+  """Adds one microbatch, summed over ``cfg.axis_name`` when given."""
+  mean = cfg.mode == "mean"
+  if cfg.axis_name is None:
+    fn = core.accumulate_mean if mean else core.accumulate_sum
+    return fn(accum, grads, weight)
+  fn = distributed.accumulate_mean if mean else distributed.accumulate_sum
+  return fn(accum, grads, weight, cfg.axis_name, reduce="microbatch")
+
+
+def _inner_update(cfg: _Config, like: list[Any], extra_args: dict[str, Any],
+                  g: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
+  """The inner update of the window gradient ``g``, cast leaf by leaf to the
+  dtypes of ``like`` (the params', or the grads' without params)."""
+  leaves, treedef = jax.tree.flatten(g)
+  g = jax.tree.unflatten(treedef, [
+      a.astype(jnp.result_type(b)) for a, b in zip(leaves, like)])
+  return cfg.inner.update(g, inner_state, params, **extra_args)
+
+
+def _can_carry(shapes: Any, buffers: Any) -> bool:
+  """Whether the updates fit in the window's buffers exactly: same tree and
+  shapes, and a dtype the work dtype holds losslessly."""
+  buf_leaves, buf_def = jax.tree.flatten(buffers)
+  upd_leaves, upd_def = jax.tree.flatten(shapes)
+  return upd_def == buf_def and all(
+      u.shape == b.shape and
+      jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
+      for u, b in zip(upd_leaves, buf_leaves))
+
+
+def _zero_updates(shapes: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _apply_window(update: Any, carry: bool, loss_scale: jax.Array,
+                  weight: jax.Array, buffers: Any, inner_state: Any,
+                  params: Any) -> tuple[Any, Any]:
+  """``finish_mean``'s division fused into the inner update.
+
+  Divided inside this branch so that XLA fuses it into the inner update's
+  loops instead of materialising the normalised gradient as an operand of
+  the conditional; in at least float32 (when total weight * loss scale < 1
+  the mean can exceed float16's range although the sums do not).
+  """
+  g = _finish.divide(buffers, loss_scale, weight, wide=True)
+  upd, new_inner = update(g, inner_state, params)
+  if carry:
+    upd = jax.tree.map(lambda u, b: u.astype(b.dtype), upd, buffers)
+  return upd, new_inner
+
+
+def _skip_window(shapes: Any, carry: bool, buffers: Any, inner_state: Any,
+                 params: Any) -> tuple[Any, Any]:
+  del params
+  return (buffers if carry else _zero_updates(shapes)), inner_state
+
+
+def _close(update: Any, shapes: Any, carry: bool, next_loss_scale: Any,
+           accum: state_lib.AccumState, inner_state: Any,
+           params: Any) -> _Closed:
+  """Closes the window: applies it if valid, and starts the next one."""
+  # The window's validity from its sums, read in place: finish_mean's
+  # normalised copy would be a parameter-sized temporary (XLA:CPU does not
+  # fuse the division into the finiteness reduction).
+  # As finish_mean: an empty window keeps its counters (keep_empty).
+  out, new_accum = _finish.finish(accum, mean=False, keep_empty=True,
+                                  next_loss_scale=next_loss_scale)
+  nonempty = out.weight > 0
+  valid = out.finite & nonempty
+  counters = new_accum.replace(grads=None)
+  # An invalid window (non-finite or empty) does not reach the inner
+  # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN) nor
+  # a select (which would make XLA copy the inner state).
+  upd, new_inner = lax.cond(
+      valid,
+      functools.partial(_apply_window, update, carry, accum.loss_scale,
+                        out.weight),
+      functools.partial(_skip_window, shapes, carry),
+      accum.grads, inner_state, params)
+  return _Closed(carrier=upd, inner_state=new_inner, counters=counters,
+                 applied=valid, nonfinite=nonempty & ~out.finite,
+                 consumed=nonempty, empty=~nonempty)
+
+
+def _stay_open(shapes: Any, carry: bool, accum: state_lib.AccumState,
+               inner_state: Any, params: Any) -> _Closed:
+  del params
+  f = jnp.bool_(False)
+  return _Closed(carrier=accum.grads if carry else _zero_updates(shapes),
+                 inner_state=inner_state,
+                 counters=accum.replace(grads=None), applied=f, nonfinite=f,
+                 consumed=f, empty=f)
+
+
+def _outputs(closed: _Closed, shapes: Any, carry: bool,
+             buffers: Any) -> tuple[Any, Any]:
+  """The returned updates and the next window's buffers."""
+  if carry:
+    # ``closed.carrier`` holds the applied window's updates, or the buffers.
+    # Selects, not conditionals: XLA schedules them after the caller's read
+    # of the updates and writes the buffers in place (a conditional here
+    # would make it copy the buffers first).
+    updates = jax.tree.map(
+        lambda c, s: jnp.where(closed.applied, c,
+                               jnp.zeros((), c.dtype)).astype(s.dtype),
+        closed.carrier, shapes)
+    buffers = jax.tree.map(
+        lambda c: jnp.where(closed.consumed, jnp.zeros((), c.dtype), c),
+        closed.carrier)
+    return updates, buffers
+  # Zeroing the consumed window's buffers in a conditional of its own (its
+  # predicate comes out of the one above, so it runs after the buffers were
+  # read) lets XLA update them in place.
+  buffers = lax.cond(closed.consumed,
+                     lambda b: jax.tree.map(jnp.zeros_like, b),
+                     lambda b: b, buffers)
+  return closed.carrier, buffers
+
+
+def _next_state(state: WeightedMultiStepsState, closed: _Closed,
+                buffers: Any, closing: jax.Array,
+                mini_step: jax.Array) -> WeightedMultiStepsState:
+  one = jnp.int32(1)
+  count = lambda flag: jnp.where(flag, one, 0)
+  return WeightedMultiStepsState(
+      inner_state=closed.inner_state,
+      accum=closed.counters.replace(grads=buffers),
+      mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
+      gradient_step=state.gradient_step + count(closed.applied),
+      updated=closed.applied,
+      nonfinite=closed.nonfinite,
+      nonfinite_windows=state.nonfinite_windows + count(closed.nonfinite),
+      empty_windows=state.empty_windows + count(closed.empty))
+
+
+def _init(cfg: _Config, params: Any) -> WeightedMultiStepsState:
+  # A distinct array per field: a donated state must not hold one buffer
+  # twice.
+  count = lambda: jnp.zeros((), jnp.int32)
+  flag = lambda: jnp.zeros((), jnp.bool_)
+  return WeightedMultiStepsState(
+      inner_state=cfg.inner.init(params),
+      accum=state_lib.init(params, dtype=cfg.dtype,
+                           loss_scale=cfg.loss_scale),
+      mini_step=count(), gradient_step=count(), updated=flag(),
+      nonfinite=flag(), nonfinite_windows=count(), empty_windows=count())
+
+
+def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
+            params: Any = None, *, weight: Any, finish: Any = None,
+            next_loss_scale: Any = None, **extra_args: Any
+            ) -> tuple[Any, WeightedMultiStepsState]:
+  """One microbatch: accumulate, then close the window or keep it open."""
+  closing = _check_finish(finish)
+  if next_loss_scale is not None:
+    errors.check_loss_scale(next_loss_scale,
+                            what="update(next_loss_scale=...)")
+  accum = _accumulate(cfg, state.accum, grads, weight)
+  mini_step = state.mini_step + 1
+  if cfg.every_k is not None:
+    closing = closing | (mini_step >= cfg.every_k)
+  # The inner optimizer gets the window's gradient in the params' dtypes
+  # (float32 master weights get float32 gradients even when the
+  # microbatches' grads were float16), or the grads' without params.
+  like = (jax.tree.leaves(grads) if params is None else
+          _tree.match_tree(state.accum.grads, params, what="update(params)"))
+  update = functools.partial(_inner_update, cfg, like, extra_args)
+  shapes = jax.eval_shape(update, accum.grads, state.inner_state, params)[0]
+  carry = _can_carry(shapes, accum.grads)
+  # Mid-window the inner update is not even traced into the executed
+  # branch: both branches pass the buffers and the inner state through.
+  closed = lax.cond(
+      closing,
+      functools.partial(_close, update, shapes, carry, next_loss_scale),
+      functools.partial(_stay_open, shapes, carry),
+      accum, state.inner_state, params)
+  updates, buffers = _outputs(closed, shapes, carry, accum.grads)
+  return updates, _next_state(state, closed, buffers, closing, mini_step)
+
+
 def weighted_multi_steps(
     inner: optax.GradientTransformation,
     every_k: int | None = None,
@@ -256,148 +470,8 @@ def weighted_multi_steps(
       dtype, what="weighted_multi_steps(dtype=...)")
   errors.check_loss_scale(loss_scale,
                           what="weighted_multi_steps(loss_scale=...)")
-  inner_tx = optax.with_extra_args_support(inner)
-  accumulate = core.accumulate_mean if mode == "mean" else core.accumulate_sum
-  dp_accumulate = (distributed.accumulate_mean if mode == "mean"
-                   else distributed.accumulate_sum)
-
-  def init_fn(params: Any) -> WeightedMultiStepsState:
-    # A distinct array per field: a donated state must not hold one buffer
-    # twice.
-    count = lambda: jnp.zeros((), jnp.int32)
-    flag = lambda: jnp.zeros((), jnp.bool_)
-    return WeightedMultiStepsState(
-        inner_state=inner_tx.init(params),
-        accum=state_lib.init(params, dtype=work_dtype, loss_scale=loss_scale),
-        mini_step=count(), gradient_step=count(), updated=flag(),
-        nonfinite=flag(), nonfinite_windows=count(), empty_windows=count())
-
-  def update_fn(updates: Any, state: WeightedMultiStepsState,
-                params: Any = None, *, weight: Any, finish: Any = None,
-                next_loss_scale: Any = None, **extra_args: Any
-                ) -> tuple[Any, WeightedMultiStepsState]:
-    grads = updates
-    closing = _check_finish(finish)
-    if next_loss_scale is not None:
-      errors.check_loss_scale(next_loss_scale,
-                              what="update(next_loss_scale=...)")
-    if axis_name is None:
-      accum = accumulate(state.accum, grads, weight)
-    else:
-      accum = dp_accumulate(state.accum, grads, weight, axis_name,
-                            reduce="microbatch")
-
-    mini_step = state.mini_step + 1
-    if k is not None:
-      closing = closing | (mini_step >= k)
-
-    # The inner optimizer gets the window's gradient in the params' dtypes
-    # (float32 master weights get float32 gradients even when the
-    # microbatches' grads were float16), or the grads' without params.
-    if params is None:
-      like = jax.tree.leaves(grads)
-    else:
-      like = _tree.match_tree(state.accum.grads, params,
-                               what="update(params)")
-
-    def apply(g, inner_state, params):
-      leaves, treedef = jax.tree.flatten(g)
-      g = jax.tree.unflatten(treedef, [
-          a.astype(jnp.result_type(b)) for a, b in zip(leaves, like)])
-      return inner_tx.update(g, inner_state, params, **extra_args)
-
-    shapes = jax.eval_shape(apply, accum.grads, state.inner_state, params)[0]
-
-    # The updates travel in the window's buffers when they fit there exactly
-    # (same tree and shapes, a dtype the work dtype holds losslessly): the
-    # conditionals then pass the buffers through untouched mid-window, and
-    # the zero updates are a select that XLA fuses into the caller's
-    # ``optax.apply_updates``, so no parameter-sized temporary exists. See
-    # docs/design.md.
-    buf_leaves, buf_def = jax.tree.flatten(accum.grads)
-    upd_leaves, upd_def = jax.tree.flatten(shapes)
-    carry = upd_def == buf_def and all(
-        u.shape == b.shape and
-        jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
-        for u, b in zip(upd_leaves, buf_leaves))
-
-    def zero_updates():
-      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def to_carrier(updates, buffers):
-      return jax.tree.map(lambda u, b: u.astype(b.dtype), updates, buffers)
-
-    def skip(buffers, inner_state, params):
-      del params
-      return (buffers if carry else zero_updates()), inner_state
-
-    def close(accum, inner_state, params):
-      # The window's validity from its sums, read in place: finish_mean's
-      # normalised copy would be a parameter-sized temporary (XLA:CPU does
-      # not fuse the division into the finiteness reduction).
-      # As finish_mean: an empty window keeps its counters (keep_empty).
-      out, new_accum = _finish.finish(accum, mean=False, keep_empty=True,
-                                      next_loss_scale=next_loss_scale)
-
-      def apply_window(buffers, inner_state, params):
-        # finish_mean's division, inside the branch, so that XLA fuses it
-        # into the inner update's loops instead of materialising the
-        # normalised gradient as an operand of this conditional. Kept in at
-        # least float32 (not rounded back to a narrower work dtype): when
-        # total weight * loss scale < 1 the mean can exceed float16's range
-        # although the sums, whose finiteness ``valid`` checked, do not.
-        g = _finish.divide(buffers, accum.loss_scale, out.weight, wide=True)
-        upd, new_inner = apply(g, inner_state, params)
-        return (to_carrier(upd, buffers) if carry else upd), new_inner
-
-      # An invalid window (non-finite or empty) does not reach the inner
-      # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN)
-      # nor a select (which would make XLA copy the inner state).
-      upd, new_inner = lax.cond(out.valid, apply_window, skip, accum.grads,
-                                inner_state, params)
-      consumed = out.weight > 0  # else: empty window, kept open
-      return (upd, new_inner, new_accum.replace(grads=None), out.valid,
-              consumed & ~out.finite, consumed, ~consumed)
-
-    def stay_open(accum, inner_state, params):
-      del params
-      f = jnp.bool_(False)
-      return ((accum.grads if carry else zero_updates()), inner_state,
-              accum.replace(grads=None), f, f, f, f)
-
-    (new_updates, inner_state, counters, applied, nonfinite, consumed,
-     empty) = lax.cond(closing, close, stay_open, accum, state.inner_state,
-                       params)
-    if carry:
-      # ``new_updates`` holds the applied window's updates, or the buffers.
-      # Selects, not conditionals: XLA schedules them after the caller's
-      # read of the updates and writes the buffers in place (a conditional
-      # here would make it copy the buffers first).
-      carrier = new_updates
-      new_updates = jax.tree.map(
-          lambda c, s: jnp.where(applied, c, jnp.zeros((), c.dtype)).astype(
-              s.dtype), carrier, shapes)
-      buffers = jax.tree.map(
-          lambda c: jnp.where(consumed, jnp.zeros((), c.dtype), c), carrier)
-    else:
-      # Zeroing the consumed window's buffers in a conditional of its own
-      # (its predicate comes out of the one above, so it runs after the
-      # buffers were read) lets XLA update them in place.
-      buffers = lax.cond(consumed,
-                         lambda b: jax.tree.map(jnp.zeros_like, b),
-                         lambda b: b, accum.grads)
-    one = jnp.int32(1)
-    new_state = WeightedMultiStepsState(
-        inner_state=inner_state,
-        accum=counters.replace(grads=buffers),
-        mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
-        gradient_step=state.gradient_step + jnp.where(applied, one, 0),
-        updated=applied,
-        nonfinite=nonfinite,
-        nonfinite_windows=(state.nonfinite_windows
-                           + jnp.where(nonfinite, one, 0)),
-        empty_windows=state.empty_windows + jnp.where(empty, one, 0),
-    )
-    return new_updates, new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  cfg = _Config(inner=optax.with_extra_args_support(inner), every_k=k,
+                mode=mode, dtype=work_dtype, loss_scale=loss_scale,
+                axis_name=axis_name)
+  return optax.GradientTransformationExtraArgs(
+      functools.partial(_init, cfg), functools.partial(_update, cfg))
