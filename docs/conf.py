@@ -85,6 +85,11 @@ autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
+# Keep JAX's typing aliases as names instead of their long Union expansion.
+autodoc_type_aliases = {
+  "ArrayLike": "jax.typing.ArrayLike",
+  "DTypeLike": "jax.typing.DTypeLike",
+}
 autoclass_content = "class"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
