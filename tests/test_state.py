@@ -167,3 +167,25 @@ def test_grads_sharded_unlike_params_keep_buffer_shardings():
   state = wa.accumulate_mean(state, grads, 1.0)
   _assert_shardings(state.grads, params)
   np.testing.assert_array_equal(np.asarray(state.grads["w"]), np.full((8, 6), 2.0))
+
+
+def test_counter_table_defines_state_counters_and_checkpoint_dtypes():
+  """A counter is declared once: AccumState's fields, init's values and
+  ``state.counters`` all follow the table."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from weighted_accum import _counters  # pylint: disable=g-import-not-at-top
+  names = [c.name for c in _counters.COUNTERS]
+  fields = [f.name for f in dataclasses.fields(wa.AccumState)]
+  assert fields == ["grads", *names, "dtype"]
+  state = wa.init({"w": jnp.zeros(2)}, loss_scale=4.0)
+  assert list(state.counters) == names
+  for c in _counters.COUNTERS:
+    value = state.counters[c.name]
+    assert value.dtype == c.dtype and value.shape == ()
+    want = 4.0 if c.name == "loss_scale" else c.initial
+    assert float(value) == want
+  out, nxt = wa.finish_sums(
+      wa.accumulate_sum(state, {"w": jnp.ones(2)}, 3.0), next_loss_scale=2.0)
+  assert int(nxt.windows) == 1 and float(nxt.loss_scale) == 2.0
+  assert int(nxt.issued) == 0 and nxt.total_weight == 0.0
+  assert out.weight.item() == 3.0 and int(out.issued) == 1

@@ -110,7 +110,8 @@ def _train(demo: _Demo, params0: Any, data: list[Any]) -> None:
   drift = {k: max(abs(a - b) for a, b in zip(history[k], history["full batch"]))
            for k in runs}
   print(f"\nmax |loss - full batch loss|: weighted_accum "
-        f"{drift['weighted_accum']:.2e}, equal-weight {drift['equal-weight']:.2e}")
+        f"{drift['weighted_accum']:.2e}, "
+        f"equal-weight {drift['equal-weight']:.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 
 def compute_dtype(dtype: Any) -> jnp.dtype:
-  """Arithmetic precision for scaling: at least float32 (no float16 overflow)."""
+  """Precision for scaling: at least float32 (no float16 overflow)."""
   return jnp.promote_types(dtype, jnp.float32)
 
 

@@ -132,8 +132,9 @@ def result(sums: Any, weight: jax.Array, loss_scale: jax.Array,
 
 
 def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
-           next_loss_scale: Any = None, axes: Axes = (), vma_on: bool = True,
-           what: str = "finish") -> tuple[AccumulatedGradients, AccumState]:
+           next_loss_scale: Any = None, axes: Axes = (),
+           vma_on: bool | None = None, what: str = "finish"
+           ) -> tuple[AccumulatedGradients, AccumState]:
   """Finishes ``state``'s window: the one finish path of the library.
 
   Pure and traceable (no Python value checks: callers validate concrete
@@ -160,7 +161,7 @@ def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
     next_loss_scale: the next window's loss scale.
     axes: the mesh axes to reduce over (inside ``shard_map``), or ``()``.
     vma_on: whether ``shard_map`` tracks varying types (else every buffer
-      is summed over every axis).
+      is summed over every axis); default: read from the axes.
     what: how to name the caller in errors.
 
   Returns:
@@ -178,6 +179,7 @@ def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
   sums = state.grads
   scalars = {k: getattr(state, k) for k in _counters.named(_counters.SUMMED)}
   if axes:
+    vma_on = _tree.vma_checked(axes) if vma_on is None else vma_on
     if vma_on:
       _check_scale_shared(state.loss_scale, axes, what)
     sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on)
@@ -193,11 +195,13 @@ def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
   return out, new_state
 
 
-def reduce_finished(out: AccumulatedGradients, axes: Axes, *, vma_on: bool,
-                    what: str) -> AccumulatedGradients:
+def reduce_finished(out: AccumulatedGradients, axes: Axes, *,
+                    vma_on: bool | None = None,
+                    what: str = "reduce_sums") -> AccumulatedGradients:
   """The global mean from one replica's ``finish(state, mean=False)``
   result: the same collective round and division as ``finish`` with
   ``axes`` and ``mean=True`` (no state to reset)."""
+  vma_on = _tree.vma_checked(axes) if vma_on is None else vma_on
   if vma_on:
     _check_scale_shared(out.loss_scale, axes, what)
   sums, scalars = psum_window(out.grads, {"weight": out.weight,

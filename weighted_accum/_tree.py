@@ -19,7 +19,7 @@ from weighted_accum.errors import is_traced
 
 
 def path_str(path: tuple) -> str:
-  """A readable leaf path such as ``['layer']['kernel']`` (``<root>`` if empty)."""
+  """A readable leaf path, e.g. ``['a']['b']`` (``<root>`` if empty)."""
   s = jax.tree_util.keystr(path)
   return s if s else "<root>"
 
@@ -122,6 +122,16 @@ def varying_axes(x: Any) -> frozenset:
   if v is None:
     v = getattr(getattr(aval, "mat", None), "varying", frozenset())
   return frozenset(v)
+
+
+def vma_checked(axes: tuple[str, ...]) -> bool:
+  """Whether the enclosing ``shard_map`` tracks varying types over
+  ``axes[0]`` (``check_vma=True``).
+
+  With ``check_vma=False`` every value reads as unvarying and autodiff does
+  not sum gradients of replicated params: they are local.
+  """
+  return axes[0] in varying_axes(jax.lax.axis_index(axes[0]))
 
 
 def vary_like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:

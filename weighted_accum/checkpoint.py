@@ -300,24 +300,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     for key, leaf in flat_target.items():
       m = flat_meta[key]
       role, expect = _role(key, leaf, want)
-      if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
-        raise WeightedAccumulationError(
-            f"{where}: template leaf {shown[key]} has dtype "
-            f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
-            f"{expect}. Build the template with abstract_state(params, "
-            "dtype).")
-      if np.shape(leaf) != tuple(m.shape):
-        raise WeightedAccumulationError(
-            f"{where}: leaf {shown[key]} has shape {tuple(m.shape)} in the "
-            f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
-            "a template built from the params that were saved.")
-      if expect is not None and np.dtype(m.dtype) != expect:
-        raise WeightedAccumulationError(
-            f"{where}: leaf {shown[key]} was saved as {np.dtype(m.dtype)}, "
-            f"but the template expects {expect}. Orbax would cast it "
-            "silently; this library refuses. Restore with a template of the "
-            "saved dtype (e.g. abstract_state(params, dtype=...)) and "
-            "convert explicitly.")
+      _check_leaf(leaf, m, role, expect, shown[key], where)
       flat_args[key] = self._restore_arg(role, leaf, m, shown[key], where)
     restore_args = ocp.tree.from_flat_dict(flat_args, target=target)
     try:
@@ -463,6 +446,30 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
                         else jax.device_put(value, sharding))
       out.append(s.replace(**placed))
     return treedef.unflatten(out)
+
+
+def _check_leaf(leaf: Any, m: Any, role: str, expect: np.dtype | None,
+                shown: str, where: str) -> None:
+  """Refuses a template leaf whose dtype or shape differs from the saved one
+  (Orbax would cast or reshape silently)."""
+  if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
+    raise WeightedAccumulationError(
+        f"{where}: template leaf {shown} has dtype "
+        f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
+        f"{expect}. Build the template with abstract_state(params, "
+        "dtype).")
+  if np.shape(leaf) != tuple(m.shape):
+    raise WeightedAccumulationError(
+        f"{where}: leaf {shown} has shape {tuple(m.shape)} in the "
+        f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
+        "a template built from the params that were saved.")
+  if expect is not None and np.dtype(m.dtype) != expect:
+    raise WeightedAccumulationError(
+        f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, "
+        f"but the template expects {expect}. Orbax would cast it "
+        "silently; this library refuses. Restore with a template of the "
+        "saved dtype (e.g. abstract_state(params, dtype=...)) and "
+        "convert explicitly.")
 
 
 def _role(key: tuple[str, ...], leaf: Any,

@@ -62,18 +62,9 @@ def _axes_size(axes: tuple[str, ...]) -> int:
   return math.prod(jax.lax.axis_size(a) for a in axes)
 
 
-def _vma_checked(axes: tuple[str, ...]) -> bool:
-  """Whether ``shard_map`` tracks varying types (``check_vma=True``).
-
-  With ``check_vma=False`` every value reads as unvarying and autodiff does
-  not sum gradients of replicated params: they are local.
-  """
-  return axes[0] in _tree.varying_axes(jax.lax.axis_index(axes[0]))
-
-
 def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
   """Casts every leaf to varying over ``axes`` (no-op where it already is)."""
-  if not _vma_checked(axes):
+  if not _tree.vma_checked(axes):
     return tree
 
   def cast(x):
@@ -94,7 +85,7 @@ def _leaf_status(leaves: list[Any], paths: list[str],
                  axes: tuple[str, ...], what: str) -> bool:
   """True when all leaves are already reduced over ``axes``, False when all
   are local; raises for a mixture."""
-  if not _vma_checked(axes):
+  if not _tree.vma_checked(axes):
     return False
   status = None
   for path, x in zip(paths, leaves):
@@ -333,7 +324,7 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
   _check_reduce(reduce, what)
   leaves = _accum.check_microbatch(state, grads, weight, what,
                                    allow_reduced=True)
-  if reduce == "microbatch" and _vma_checked(axes):
+  if reduce == "microbatch" and _tree.vma_checked(axes):
     _check_microbatch_mode(state, axes, what)
   reduced = _leaf_status(leaves, _tree.leaf_paths(state.grads), axes,
                          f"{what}(grads)")
@@ -539,8 +530,7 @@ def reduce_sums(out: AccumulatedGradients,
     1.5
   """
   axes = _axes(axis_name, "reduce_sums")
-  return _finish.reduce_finished(out, axes, vma_on=_vma_checked(axes),
-                                 what="reduce_sums")
+  return _finish.reduce_finished(out, axes, what="reduce_sums")
 
 
 def _check_global_window(state: AccumState, axes: tuple[str, ...],
@@ -592,9 +582,9 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
     >>> from jax.sharding import PartitionSpec as P
     >>> import weighted_accum as wa
     >>> from weighted_accum import distributed as dist
-    >>> n = jax.device_count()
     >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> def step(p, x):
+    >>> n = mesh.size   # replicas
+    >>> def step(p, x):   # a window of one microbatch, reduced at once
     ...   s = wa.init(p)
     ...   g = dist.local_grad(lambda p: jnp.sum(x * p), 'data')(p)
     ...   s = dist.accumulate_sum(s, g, x.size, 'data', reduce='microbatch')
@@ -608,10 +598,10 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   axes = _axes(axis_name, what)
   _check_reduce(reduce, what)
   if reduce == "microbatch":
-    if _vma_checked(axes):
+    if _tree.vma_checked(axes):
       _check_global_window(state, axes, what)
     out, new_state = core.finish_mean(state, next_loss_scale=next_loss_scale)
     # Each accumulate call covered one microbatch on every replica.
     return out.replace(issued=out.issued * _axes_size(axes)), new_state
   return _finish.finish(state, mean=True, next_loss_scale=next_loss_scale,
-                        axes=axes, vma_on=_vma_checked(axes), what=what)
+                        axes=axes, what=what)

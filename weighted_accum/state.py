@@ -140,7 +140,7 @@ def init(params: Any, dtype: Any = jnp.float32,
 
 
 def _work_dtype(named: list[tuple[str, Any]]) -> jnp.dtype:
-  """The one floating dtype of restored buffers (float32 when there are none)."""
+  """The one floating dtype of restored buffers (float32 if there are none)."""
   _tree.check_leaves_floating(named, what="from_buffers(buffers)")
   dtypes = [jnp.result_type(b) for _, b in named]
   if len(set(dtypes)) > 1:
