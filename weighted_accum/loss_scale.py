@@ -10,9 +10,7 @@ described in ``docs/mixed_precision.md``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import numbers
 from typing import Any
 
 import jax
@@ -46,7 +44,8 @@ def _host_number(value: Any, name: str, *, integer: bool = False) -> Any:
   dt = _dtype(value)
   kind = jnp.integer if integer else jnp.number
   if (dt is None or isinstance(value, bool) or jnp.issubdtype(dt, jnp.bool_)
-      or not jnp.issubdtype(dt, kind) or jnp.issubdtype(dt, jnp.complexfloating)):
+      or not jnp.issubdtype(dt, kind)
+      or jnp.issubdtype(dt, jnp.complexfloating)):
     want = "an int" if integer else "a real number"
     raise WeightedAccumulationError(
         f"DynamicLossScale: {name} must be {want}, got {value!r} (dtype "
@@ -220,7 +219,8 @@ class DynamicLossScale:
 
     Example:
       >>> import weighted_accum as wa
-      >>> wa.DynamicLossScale(2.0**16).replace(growth_interval=10).growth_interval
+      >>> s = wa.DynamicLossScale(2.0**16).replace(growth_interval=10)
+      >>> s.growth_interval
       10
     """
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -251,7 +251,8 @@ class DynamicLossScale:
     Example:
       >>> import weighted_accum as wa
       >>> s = wa.DynamicLossScale(4.0, min_scale=2.0)
-      >>> float(s.adjust(False).scale), float(s.adjust(False).adjust(False).scale)
+      >>> once = s.adjust(False)
+      >>> float(once.scale), float(once.adjust(False).scale)   # floored
       (2.0, 2.0)
     """
     dt = _dtype(finite)
@@ -326,6 +327,19 @@ def check_restored(tree: Any, *, what: str) -> None:
     WeightedAccumulationError: naming the node's path and the field ('scale'
       or 'growth_tracker') that does not satisfy the constructor's rules
       under the template's configuration.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> from weighted_accum.loss_scale import check_restored
+    >>> good = wa.DynamicLossScale(8.0)
+    >>> bad = jax.tree.map(lambda x: -x, good)   # as a corrupt file would be
+    >>> check_restored({'scaler': good}, what='restore')
+    >>> try:
+    ...   check_restored({'scaler': bad}, what='restore')
+    ... except wa.WeightedAccumulationError as e:
+    ...   print(str(e)[:53])
+    restore: DynamicLossScale at ['scaler']: DynamicLossS
   """
   is_scaler = lambda x: isinstance(x, DynamicLossScale)  # noqa: E731
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaler)
@@ -387,7 +401,8 @@ def set_loss_scale(state: AccumState,
   if isinstance(loss_scale, DynamicLossScale):
     loss_scale = loss_scale.scale
   errors.check_loss_scale(loss_scale, what="set_loss_scale(loss_scale)")
-  if not (errors.is_traced(state.weight_hi) or errors.is_traced(state.weight_lo)):
+  if not (errors.is_traced(state.weight_hi)
+          or errors.is_traced(state.weight_lo)):
     total = state.total_weight
     if total != 0:
       raise WeightedAccumulationError(
