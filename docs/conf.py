@@ -12,6 +12,7 @@ reference is generated from ``weighted_accum.__all__`` by ``_ext/api_all.py``.
 
 import os
 import pathlib
+import re
 import shutil
 import sys
 
@@ -100,3 +101,15 @@ intersphinx_mapping = {}  # no network during builds: keep offline
 html_theme = "furo"
 html_title = "weighted_accum"
 html_static_path = []
+
+
+def _alias_names(app, what, name, obj, options, signature, return_annotation):
+  """Shows ``X | None`` of an aliased type as such: Sphinx prints the union
+  of a type alias with None as ``TypeAliasForwardRef('X') | None``."""
+  del app, what, name, obj, options
+  fix = lambda s: s and re.sub(r"TypeAliasForwardRef\('([^']+)'\)", r"\1", s)
+  return fix(signature), fix(return_annotation)
+
+
+def setup(app):
+  app.connect("autodoc-process-signature", _alias_names)
