@@ -5,6 +5,7 @@ One command::
   python benchmarks/run.py            # default: 1M/16M/64M params, < 5 min on 2 CPU cores
   python benchmarks/run.py --full     # adds 256M params and a larger end-to-end model
   python benchmarks/run.py --smoke    # tiny sizes, a few seconds (plumbing check)
+  python benchmarks/run.py --microbatch-only   # only case 7 (short model)
 
 writes ``benchmarks/results/<backend>-<date>.{json,md,png}`` and prints the
 Markdown table. It runs unchanged on CPU, GPU and TPU (the default JAX device).
@@ -28,7 +29,12 @@ gradients accumulated into float32 buffers:
 5. end to end: a Flax NNX transformer, one window of 8 microbatches of unequal
    token counts, wrapper vs ``optax.MultiSteps`` vs a minimal hand-written
    accumulation loop (tokens/s);
-6. compiled memory analysis (aliased, temporary and output bytes) of 2-4.
+6. compiled memory analysis (aliased, temporary and output bytes) of 2-4;
+7. in-step microbatching: ``wa.microbatched_value_and_grad`` against a
+   MaxText-style hand scan and ``optax.microbatching`` (SUM) at K = 8 on a
+   Flax NNX LM, the same model at K = 1 and 4 (tokens/s, compiled
+   temporaries), and the all-reduces each data-parallel style executes per
+   step on an 8-device mesh (counted in a child process's compiled HLO).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ import json
 import math
 import os
 import platform
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -528,6 +536,295 @@ def e2e(cfg: dict, args) -> dict:
 
 
 # ----------------------------------------------------------------------------
+# Case 7: in-step microbatching (issue 12): one jitted step over a global
+# batch of K microbatches, against the hand-written and optax recipes.
+# ----------------------------------------------------------------------------
+
+MICRO_CFG = {
+    "smoke": dict(vocab=128, dim=32, layers=1, heads=2, rows=16, seq=16),
+    "short": dict(vocab=1024, dim=128, layers=2, heads=4, rows=32, seq=64),
+    "default": dict(vocab=4096, dim=256, layers=4, heads=4, rows=32, seq=128),
+}
+
+
+def _micro_lm(cfg: dict):
+  """A Flax NNX causal LM; returns ``(params, losses)`` with ``losses(p,
+  tokens, lengths) -> (loss SUM over valid next-token targets, count)``."""
+  from flax import nnx
+
+  dim, seq, vocab = cfg["dim"], cfg["seq"], cfg["vocab"]
+
+  class Block(nnx.Module):
+
+    def __init__(self, rngs):
+      self.ln1 = nnx.LayerNorm(dim, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(num_heads=cfg["heads"],
+                                         in_features=dim, decode=False,
+                                         rngs=rngs)
+      self.ln2 = nnx.LayerNorm(dim, rngs=rngs)
+      self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+      self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, x, mask):
+      x = x + self.attn(self.ln1(x), mask=mask)
+      return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+  class LM(nnx.Module):
+
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(vocab, dim, rngs=rngs)
+      self.blocks = nnx.List([Block(rngs) for _ in range(cfg["layers"])])
+      self.ln_f = nnx.LayerNorm(dim, rngs=rngs)
+      self.head = nnx.Linear(dim, vocab, rngs=rngs)
+
+    def __call__(self, tokens, lengths):
+      valid = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+      mask = nnx.combine_masks(nnx.make_attention_mask(valid, valid),
+                               nnx.make_causal_mask(tokens))
+      x = self.embed(tokens)
+      for block in self.blocks:
+        x = block(x, mask)
+      return self.head(self.ln_f(x))
+
+  graphdef, params = nnx.split(LM(nnx.Rngs(0)), nnx.Param)
+
+  def losses(p, tokens, lengths):
+    logits = nnx.merge(graphdef, p)(tokens, lengths)[:, :-1]
+    mask = (jnp.arange(seq - 1)[None] < (lengths[:, None] - 1)).astype(
+        jnp.float32)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits),
+                               tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+  return params, losses
+
+
+def _micro_data(cfg: dict, rows: int, seed: int = 0):
+  """Token rows with very unequal valid lengths (1..seq)."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, cfg["seq"] + 1, rows).astype(np.int32)
+  tokens = rng.integers(0, cfg["vocab"], (rows, cfg["seq"])).astype(np.int32)
+  return jnp.asarray(tokens), jnp.asarray(lengths), int(
+      np.sum(np.maximum(lengths - 1, 0)))
+
+
+def _hand_scan(losses, k: int):
+  """MaxText-style: a scan over rows k::K, sum loss and total weight in the
+  carry, one division at the end."""
+
+  def step(p, tokens, lengths):
+    def split(x):
+      return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+
+    def body(carry, mb):
+      g_acc, l_acc, w_acc = carry
+      (l, w), g = jax.value_and_grad(losses, has_aux=True)(p, *mb)
+      return (tmap(jnp.add, g_acc, g), l_acc + l, w_acc + w), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (g, l, w), _ = jax.lax.scan(body, (tmap(jnp.zeros_like, p), zero, zero),
+                                (split(tokens), split(lengths)))
+    return l / w, tmap(lambda x: x / w, g)
+
+  return jax.jit(step)
+
+
+def _optax_microbatch_sum(losses, k: int, rows: int):
+  mb = optax.microbatching.microbatch(
+      jax.value_and_grad(losses, has_aux=True), argnums=(1, 2),
+      microbatch_size=rows // k,
+      accumulator=optax.microbatching.AccumulationType.SUM)
+
+  def step(p, tokens, lengths):
+    (l, w), g = mb(p, tokens, lengths)
+    return l / w, tmap(lambda x: x / w, g)
+
+  return jax.jit(step)
+
+
+def _optax_micro_grad_sum(losses, k: int, rows: int):
+  mg = optax.microbatching.micro_grad(
+      losses, has_aux=True, batch_argnums=(1, 2), microbatch_size=rows // k,
+      accumulator=optax.microbatching.AccumulationType.SUM)
+
+  def step(p, tokens, lengths):
+    g, aux = mg(p, tokens, lengths)
+    w = jnp.sum(aux.aux)
+    return jnp.sum(aux.values) / w, tmap(lambda x: x / w, g)
+
+  return jax.jit(step)
+
+
+def _micro_case(name, fn, params, data, base, what) -> Case:
+  return Case(name, fn, params, data, keep=lambda out, p=params: p,
+              baseline=base, what=what, memory=True)
+
+
+def microbatch_bench(cfg: dict, args, k: int = 8) -> dict:
+  """Ratios at K = 8 against the hand scan and optax; the NNX model at
+  K in {1, 4, 8}; all-reduces per step (8-device child process)."""
+  params, losses = _micro_lm(cfg)
+  rows = cfg["rows"]
+  tokens, lengths, n_tok = _micro_data(cfg, rows)
+  data = (tokens, lengths)
+  wa_f = lambda kk: jax.jit(wa.microbatched_value_and_grad(losses, kk,
+                                                           batch_argnums=(1, 2)))
+  hand = "mb_hand_scan"
+  cases = [
+      _micro_case(hand, _hand_scan(losses, k), params, data, None,
+                  f"MaxText-style lax.scan, K={k}, sum loss + weight carry"),
+      _micro_case("mb_wa", wa_f(k), params, data, hand,
+                  f"wa.microbatched_value_and_grad, K={k}"),
+      _micro_case("mb_optax_microbatch_sum",
+                  _optax_microbatch_sum(losses, k, rows), params, data, hand,
+                  "optax.microbatching.microbatch(value_and_grad), SUM"),
+      _micro_case("mb_optax_micro_grad_sum",
+                  _optax_micro_grad_sum(losses, k, rows), params, data, hand,
+                  "optax.microbatching.micro_grad (per-example grads), SUM"),
+  ]
+  cases += [_micro_case(f"mb_wa_k{kk}", wa_f(kk), params, data, "mb_wa",
+                        f"wa.microbatched_value_and_grad, K={kk}")
+            for kk in (1, 4)]
+  mem = {c.name: compile_and_analyse(c) for c in cases}
+  t0 = time.perf_counter()
+  times = interleaved(cases, args.e2e_runs, 1)
+  med = {kk: float(np.median(v)) for kk, v in times.items()}
+  out = []
+  for c in cases:
+    base = c.baseline or c.name
+    # Per-round ratios (both cases timed in the same round): robust to the
+    # load swings of a shared machine, which a ratio of medians is not.
+    paired = float(np.median(np.array(times[c.name]) / np.array(times[base])))
+    out.append(dict(
+        case=c.name, what=c.what, median_ms=med[c.name] * 1e3,
+        baseline=base, ratio=paired, ratio_of_medians=med[c.name] / med[base],
+        min_ratio=min(times[c.name]) / min(times[base]),
+        tokens_per_s=n_tok / med[c.name], temp_bytes=mem[c.name]["temp_bytes"],
+        temp_ratio=mem[c.name]["temp_bytes"] / max(mem[base]["temp_bytes"], 1),
+        runs=len(times[c.name]), times_ms=[t * 1e3 for t in times[c.name]]))
+  print(f"  microbatch: {len(cases)} cases x {args.e2e_runs} runs in "
+        f"{time.perf_counter() - t0:.1f}s", flush=True)
+  n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+  return dict(config=dict(cfg, params=n_params, tokens=n_tok, k=k), rows=out,
+              all_reduces=_all_reduces_in_child(cfg, k))
+
+
+def _while_bodies(hlo: str) -> dict[str, str]:
+  """Every computation reachable from a while loop's body, by name."""
+  comps = dict(re.findall(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}",
+                          hlo, re.S | re.M))
+  todo = re.findall(r"while\([^\n]*body=%?([\w.\-]+)", hlo)
+  seen = {}
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen[name] = comps[name]
+    todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)",
+                       comps[name])
+  return seen
+
+
+def _count_all_reduces(compiled, k: int) -> dict:
+  hlo = compiled.as_text()
+  pat = r"all-reduce(?:-start)?\("
+  total = len(re.findall(pat, hlo))
+  inside = sum(len(re.findall(pat, t)) for t in _while_bodies(hlo).values())
+  return dict(in_loop_body=inside, outside=total - inside,
+              executed_per_step=total - inside + k * inside)
+
+
+def all_reduce_counts(cfg: dict, k: int) -> dict:
+  """Both styles on an 8-device 'data' mesh (run in a process with 8
+  devices): shard_map with axis_name, and implicit jit over a sharded batch."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  params, losses = _micro_lm(cfg)
+  n = jax.device_count()
+  tokens, lengths, _ = _micro_data(cfg, k * n)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+  f = wa.microbatched_value_and_grad(losses, k, batch_argnums=(1, 2),
+                                     axis_name="data")
+  sm = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data"),
+                                                     P("data")),
+                             out_specs=P()))
+  imp = jax.jit(wa.microbatched_value_and_grad(losses, k,
+                                               batch_argnums=(1, 2)))
+  rep = NamedSharding(mesh, P())
+  data = [jax.device_put(x, NamedSharding(mesh, P("data")))
+          for x in (tokens, lengths)]
+  p = jax.device_put(params, rep)
+  return dict(
+      devices=n, k=k,
+      shard_map=_count_all_reduces(sm.lower(p, *data).compile(), k),
+      implicit=_count_all_reduces(imp.lower(p, *data).compile(), k))
+
+
+def _all_reduces_in_child(cfg: dict, k: int) -> dict | None:
+  env = dict(os.environ, WA_BENCH_ALLREDUCE_CHILD=json.dumps(dict(cfg=cfg,
+                                                                  k=k)))
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
+                       capture_output=True, text=True, check=False)
+  if res.returncode:
+    print(f"  all-reduce count failed: {res.stderr[-2000:]}", file=sys.stderr)
+    return None
+  return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def microbatch_markdown(res: dict) -> list[str]:
+  cfg = res["config"]
+  L = ["", f"In-step microbatching (issue 12): Flax NNX LM, "
+       f"{cfg['params'] / 1e6:.2f}M params ({cfg['layers']} layers, dim "
+       f"{cfg['dim']}), global batch {cfg['rows']}x{cfg['seq']} tokens with "
+       f"unequal lengths ({cfg['tokens']} valid), one jitted step.", "",
+       "ratio: median of per-round ratios to the baseline (same round); "
+       "also the ratio of medians and of minima.", "",
+       "| case | ms/step | tokens/s | ratio | of medians | of minima | "
+       "baseline | temp MB | temp ratio |",
+       "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+  for r in res["rows"]:
+    L.append(f"| {r['case']} | {r['median_ms']:.2f} | {r['tokens_per_s']:.0f}"
+             f" | {r['ratio']:.3f}x | {r['ratio_of_medians']:.3f}x | "
+             f"{r['min_ratio']:.3f}x | {r['baseline']} | "
+             f"{_mb(r['temp_bytes'])} | {r['temp_ratio']:.3f}x |")
+  ar = res.get("all_reduces")
+  if ar:
+    L += ["", f"All-reduces per step, {ar['devices']}-device data mesh, "
+          f"K = {ar['k']}:", "", "| style | in loop body | outside | "
+          "executed per step |", "|---|---:|---:|---:|"]
+    for style in ("shard_map", "implicit"):
+      c = ar[style]
+      L.append(f"| {style} | {c['in_loop_body']} | {c['outside']} | "
+               f"{c['executed_per_step']} |")
+  return L
+
+
+def microbatch_checks(res: dict) -> list[dict]:
+  by = {r["case"]: r for r in res["rows"]}
+  out = []
+
+  def add(name, value, limit, note=""):
+    out.append(dict(bar=name, size="", grads_dtype="", value=value,
+                    limit=limit, status="pass" if value <= limit else "miss",
+                    note=note))
+
+  add("microbatched_value_and_grad / hand scan (time)", by["mb_wa"]["ratio"],
+      1.03)
+  add("microbatched_value_and_grad / hand scan (temporaries)",
+      by["mb_wa"]["temp_ratio"], 1.0)
+  for name in ("mb_optax_microbatch_sum", "mb_optax_micro_grad_sum"):
+    # Both are timed against the hand scan in the same rounds.
+    add(f"microbatched_value_and_grad / {name[3:]} (time)",
+        by["mb_wa"]["ratio"] / by[name]["ratio"], 1.03)
+  ar = res.get("all_reduces")
+  if ar:
+    add("shard_map all-reduces executed per step",
+        ar["shard_map"]["executed_per_step"], 1)
+  return out
+
+
+# ----------------------------------------------------------------------------
 # The bar (issue 5) and the report.
 # ----------------------------------------------------------------------------
 
@@ -775,6 +1072,10 @@ def main(argv=None) -> int:
                  help="transformer blocks of the tree (default 12: 98 leaves)")
   p.add_argument("--no-e2e", action="store_true")
   p.add_argument("--no-numpy", action="store_true")
+  p.add_argument("--no-microbatch", action="store_true",
+                 help="skip the in-step microbatching rows (issue 12)")
+  p.add_argument("--microbatch-only", action="store_true",
+                 help="only the in-step microbatching rows (a short run)")
   p.add_argument("--tuned-allocator", action="store_true",
                  help="re-run this process with glibc malloc settings that keep "
                  "freed memory (no per-call page faults; Linux CPU only)")
@@ -799,6 +1100,12 @@ def main(argv=None) -> int:
     e2e_cfg = dict(vocab=4096, dim=256, layers=4, heads=4, rows=4, seq=128)
   if args.sizes:
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip() != "none"]
+  micro_cfg = MICRO_CFG["smoke" if args.smoke else
+                        "default" if args.full else "short"]
+  if args.microbatch_only:
+    sizes, args.no_e2e, args.no_microbatch = [], True, False
+  elif args.smoke:  # keep the plumbing check short: --smoke --microbatch-only
+    args.no_microbatch = True
   args.layers = args.layers or (1 if args.smoke else 12)
   args.runs = args.runs or 15
   args.e2e_runs = args.e2e_runs or 12
@@ -813,7 +1120,8 @@ def main(argv=None) -> int:
   import flax
   date = datetime.datetime.now().strftime("%Y-%m-%d")
   stem = (f"{backend}-{date}" + ("-smoke" if args.smoke else "") +
-          ("-tuned-allocator" if tuned else ""))
+          ("-tuned-allocator" if tuned else "") +
+          ("-microbatch" if args.microbatch_only else ""))
   meta = dict(
       backend=backend, device_kind=dev.device_kind,
       devices=jax.device_count(), machine=machine(), date=date,
@@ -850,14 +1158,20 @@ def main(argv=None) -> int:
   e2e_res = None if args.no_e2e else e2e(e2e_cfg, args)
   big = {r["size"] for r in rows if r["params"] >= 16 * M}
   checks = bar_checks(rows, e2e_res, big)
+  mb_res = None if args.no_microbatch else microbatch_bench(micro_cfg, args)
+  if mb_res:
+    checks += microbatch_checks(mb_res)
   meta["seconds"] = time.perf_counter() - t_start
 
   png = out_dir / f"{stem}.png"
-  has_plot = plot(png, rows, e2e_res)
+  has_plot = bool(rows or e2e_res) and plot(png, rows, e2e_res)
   md = markdown(meta, rows, e2e_res, checks, png.name if has_plot else None)
+  if mb_res:
+    md += "\n".join(microbatch_markdown(mb_res)) + "\n"
   (out_dir / f"{stem}.md").write_text(md)
   (out_dir / f"{stem}.json").write_text(json.dumps(
-      dict(meta=meta, rows=rows, e2e=e2e_res, bar=checks), indent=1))
+      dict(meta=meta, rows=rows, e2e=e2e_res, bar=checks, microbatch=mb_res),
+      indent=1))
   print()
   print(md)
   print(f"wrote {out_dir / stem}.{{json,md{',png' if has_plot else ''}}} in "
@@ -866,4 +1180,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  if "WA_BENCH_ALLREDUCE_CHILD" in os.environ:  # see _all_reduces_in_child
+    _spec = json.loads(os.environ["WA_BENCH_ALLREDUCE_CHILD"])
+    print(json.dumps(all_reduce_counts(_spec["cfg"], _spec["k"])))
+    sys.exit(0)
   sys.exit(main())

@@ -23,6 +23,8 @@ from weighted_accum.distributed import reduce_sums
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.loss_scale import set_loss_scale
+from weighted_accum.microbatch import microbatched_value_and_grad
+from weighted_accum.microbatch import optax_accumulator
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
@@ -58,6 +60,8 @@ __all__ = (
     "init",
     "local_grad",
     "local_value_and_grad",
+    "microbatched_value_and_grad",
+    "optax_accumulator",
     "reduce_sums",
     "set_loss_scale",
     "weighted_multi_steps",
