@@ -29,6 +29,8 @@ from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 from weighted_accum.state import from_buffers
 from weighted_accum.state import init
+from weighted_accum.train_state import TrainState
+from weighted_accum.transform import WeightedMultiSteps
 from weighted_accum.transform import WeightedMultiStepsState
 from weighted_accum.transform import has_updated
 from weighted_accum.transform import weighted_multi_steps
@@ -46,7 +48,9 @@ __all__ = (
     "AccumState",
     "AccumulatedGradients",
     "DynamicLossScale",
+    "TrainState",
     "WeightedAccumulationError",
+    "WeightedMultiSteps",
     "WeightedMultiStepsState",
     "abstract_state",
     "accumulate_mean",
