@@ -570,7 +570,7 @@ def test_tree_with_accumulator_and_optimizer_state(tmp_path):
 
 
 def test_readme_checkpoint_example_runs(capsys):
-  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  readme = (pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md").read_text()
   section = readme.split("<!-- BEGIN checkpoint -->")[1].split(
       "<!-- END checkpoint -->")[0]
   code = section.split("```python\n")[1].split("```")[0]

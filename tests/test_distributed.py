@@ -714,7 +714,7 @@ def test_optax_wrapper_multi_device_equals_single_device(style, mode):
 def test_readme_scaling_section_runs():
   """The README's "Scaling out" examples run as written (and the explicit
   result equals the implicit one: the example asserts it)."""
-  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  readme = (pathlib.Path(__file__).parent.parent / "docs" / "scaling.md").read_text()
   section = readme.split("<!-- BEGIN scaling -->")[1].split(
       "<!-- END scaling -->")[0]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)

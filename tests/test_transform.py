@@ -605,7 +605,7 @@ def test_invalid_traced_weight_rejects_microbatch():
 
 def test_readme_optax_section_runs(capsys):
   """The README's optax and NNX examples run and print what they claim."""
-  readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+  readme = (pathlib.Path(__file__).parent.parent / "docs" / "optax.md").read_text()
   section = readme.split("<!-- BEGIN optax -->")[1].split(
       "<!-- END optax -->")[0]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)

@@ -16,6 +16,7 @@ from typing import Any
 from etils import epath
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -46,7 +47,7 @@ _GRADS = "grads"
 _COUNTERS = "counters"
 
 
-def abstract_state(params: Any, dtype: Any = jnp.float32) -> AccumState:
+def abstract_state(params: Any, dtype: DTypeLike = jnp.float32) -> AccumState:
   """An abstract ``AccumState`` for ``params``, each buffer on its sharding.
 
   ``jax.eval_shape(wa.init, params)`` gives the same shapes but drops the
@@ -302,7 +303,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       args: :class:`AccumRestore` with the template.
 
     Returns:
-      A tree like the template: concrete ``AccumState``s continuing the
+      A tree like the template: concrete ``AccumState`` values continuing the
       saved windows, other leaves as saved.
 
     Raises:

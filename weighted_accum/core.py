@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 from jax.experimental import checkify
+from jax.typing import ArrayLike
 
 from weighted_accum import _accum
 from weighted_accum import _finish
@@ -25,7 +26,7 @@ from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 
 
-def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
+def accumulate_sum(state: AccumState, grads: Any, weight: ArrayLike, *,
                    checked: bool = False) -> AccumState:
   """Adds the gradients of a microbatch's loss SUM.
 
@@ -73,7 +74,7 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any, *,
                     placed=placed, name="accumulate_sum")
 
 
-def accumulate_mean(state: AccumState, grads: Any, weight: Any, *,
+def accumulate_mean(state: AccumState, grads: Any, weight: ArrayLike, *,
                     checked: bool = False) -> AccumState:
   """Adds the gradients of a microbatch's loss MEAN, weighted by its size.
 
@@ -116,7 +117,7 @@ def _finish_kernel(state: AccumState, next_loss_scale: jax.Array | None,
   return _finish.finish(state, mean=mean, next_loss_scale=next_loss_scale)
 
 
-def finish_sums(state: AccumState, *, next_loss_scale: Any = None
+def finish_sums(state: AccumState, *, next_loss_scale: ArrayLike | None = None
                 ) -> tuple[AccumulatedGradients, AccumState]:
   """Returns the window's still-scaled sums and local weight, then resets.
 
@@ -150,7 +151,7 @@ def finish_sums(state: AccumState, *, next_loss_scale: Any = None
   return _finish_kernel(state, next_loss_scale, mean=False)
 
 
-def finish_mean(state: AccumState, *, next_loss_scale: Any = None,
+def finish_mean(state: AccumState, *, next_loss_scale: ArrayLike | None = None,
                 checked: bool = False
                 ) -> tuple[AccumulatedGradients, AccumState]:
   """Divides the window's sums by the loss scale, then by its total weight.

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 
 from weighted_accum import _accum
 from weighted_accum import _arith
@@ -254,8 +256,8 @@ def local_value_and_grad(fun: Callable[..., Any], axis_name: AxisName, *,
 
 # ------------------------------------------------------------ accumulation --
 
-def init(params: Any, axis_name: AxisName, dtype: Any = jnp.float32,
-         loss_scale: float | jax.Array = 1.0) -> AccumState:
+def init(params: Any, axis_name: AxisName, dtype: DTypeLike = jnp.float32,
+         loss_scale: ArrayLike = 1.0) -> AccumState:
   """An empty per-replica window for ``reduce="window"`` inside shard_map.
 
   Like :func:`weighted_accum.init`, then every per-replica leaf (buffers,
@@ -382,7 +384,7 @@ def _global_contribution(state: AccumState, leaves: list[Any], weight: Any,
   return contrib, jnp.where(n_bad > 0, jnp.nan, total)
 
 
-def accumulate_sum(state: AccumState, grads: Any, weight: Any,
+def accumulate_sum(state: AccumState, grads: Any, weight: ArrayLike,
                    axis_name: AxisName, *, reduce: str = "window",
                    checked: bool = False) -> AccumState:
   """Adds a replica's gradients of its microbatch's loss SUM, inside shard_map.
@@ -437,7 +439,7 @@ def accumulate_sum(state: AccumState, grads: Any, weight: Any,
                      reduce=reduce, checked=checked, name="accumulate_sum")
 
 
-def accumulate_mean(state: AccumState, grads: Any, weight: Any,
+def accumulate_mean(state: AccumState, grads: Any, weight: ArrayLike,
                     axis_name: AxisName, *, reduce: str = "window",
                     checked: bool = False) -> AccumState:
   """Adds a replica's gradients of its microbatch's loss MEAN, inside shard_map.
@@ -544,7 +546,7 @@ def _check_global_window(state: AccumState, axes: tuple[str, ...],
 
 
 def finish_mean(state: AccumState, axis_name: AxisName, *,
-                reduce: str = "window", next_loss_scale: Any = None
+                reduce: str = "window", next_loss_scale: ArrayLike | None = None
                 ) -> tuple[AccumulatedGradients, AccumState]:
   """Finishes a data-parallel window: the exact global mean gradient.
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 
 from weighted_accum import _tree
@@ -176,10 +177,10 @@ class DynamicLossScale:
   growth_interval: int
   min_scale: float
 
-  def __init__(self, scale: float | jax.Array, *, growth_factor: float = 2.0,
+  def __init__(self, scale: ArrayLike, *, growth_factor: float = 2.0,
                backoff_factor: float = 0.5, growth_interval: int = 2000,
                min_scale: float = 1.0,
-               growth_tracker: int | jax.Array = 0):
+               growth_tracker: ArrayLike = 0):
     """Creates a scaler, validating every argument.
 
     Args:
@@ -357,7 +358,7 @@ def check_restored(tree: Any, *, what: str) -> None:
 
 
 def set_loss_scale(state: AccumState,
-                   loss_scale: float | jax.Array | DynamicLossScale, *,
+                   loss_scale: ArrayLike | DynamicLossScale, *,
                    checked: bool = False) -> AccumState:
   """Sets the loss scale of a window to which nothing was added yet.
 

@@ -13,6 +13,8 @@ from typing import Any
 from flax import struct
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 import numpy as np
 
 from weighted_accum import _counters
@@ -101,8 +103,8 @@ class AccumulatedGradients(struct.PyTreeNode):
   valid: jax.Array
 
 
-def init(params: Any, dtype: Any = jnp.float32,
-         loss_scale: float | jax.Array = 1.0) -> AccumState:
+def init(params: Any, dtype: DTypeLike = jnp.float32,
+         loss_scale: ArrayLike = 1.0) -> AccumState:
   """Starts an empty window with zero buffers shaped like ``params``.
 
   Args:

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 import numpy as np
 import optax
 
@@ -781,8 +783,8 @@ def weighted_multi_steps(
     every_k: int | Callable[[jax.Array], Any] | None = None,
     *,
     mode: str = "mean",
-    dtype: Any = jnp.float32,
-    loss_scale: float | jax.Array = 1.0,
+    dtype: DTypeLike = jnp.float32,
+    loss_scale: ArrayLike = 1.0,
     axis_name: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Weighted gradient accumulation in front of an optax optimizer.
