@@ -7,12 +7,11 @@ the sharding tests.
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") +
-    " --xla_force_host_platform_device_count=8").strip()
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from hypothesis import settings  # noqa: E402  pylint: disable=g-import-not-at-top
 
-settings.register_profile("ci", max_examples=25, deadline=None,
-                          print_blob=True)
+settings.register_profile("ci", max_examples=25, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -33,49 +33,62 @@ LOSS_SCALE = 8.0
 
 def _tree_map(fn, *trees):
   import jax  # pylint: disable=g-import-not-at-top
+
   return jax.tree.map(fn, *trees, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def host_params() -> dict:
   rng = np.random.default_rng(0)
-  return _tree_map(lambda s: rng.standard_normal(s).astype(np.float32),
-                   SHAPES)
+  return _tree_map(lambda s: rng.standard_normal(s).astype(np.float32), SHAPES)
 
 
 def make_mesh(n_devices: int):
   import jax  # pylint: disable=g-import-not-at-top
+
   devs = np.array(jax.devices()[:n_devices])
-  return jax.sharding.Mesh(devs.reshape(n_devices // 2, 2) if n_devices > 2
-                           else devs.reshape(n_devices, 1), ("a", "b"))
+  return jax.sharding.Mesh(
+    devs.reshape(n_devices // 2, 2)
+    if n_devices > 2
+    else devs.reshape(n_devices, 1),
+    ("a", "b"),
+  )
 
 
 def shardings(mesh) -> dict:
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  return _tree_map(lambda spec: NamedSharding(mesh, PartitionSpec(*spec)),
-                   SPECS)
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  return _tree_map(
+    lambda spec: NamedSharding(mesh, PartitionSpec(*spec)), SPECS
+  )
 
 
 def place(tree: dict, mesh) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
+
   return jax.tree.map(jax.device_put, tree, shardings(mesh))
 
 
 def host_grads(i: int) -> dict:
   """Microbatch i's gradient (times LOSS_SCALE), in float32, on host."""
   rng = np.random.default_rng(1000 + i)
+
   def leaf(s):
     g = (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 3)).astype(
-        np.float32) * np.float32(LOSS_SCALE)
+      np.float32
+    ) * np.float32(LOSS_SCALE)
     if WEIGHTS[i] == 0:
       g[...] = np.nan
     return g
+
   return _tree_map(leaf, SHAPES)
 
 
-@functools.lru_cache(maxsize=None)  # compile once per process
+@functools.cache  # compile once per process
 def feed_fn():
   """The jitted, donating step both runs use: one microbatch in."""
   import jax  # pylint: disable=g-import-not-at-top
+
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
 
   def feed(state, grads, weight, mean):
@@ -88,14 +101,16 @@ def feed_fn():
 def run(state, start: int, stop: int, mesh):
   feed = feed_fn()
   for i in range(start, stop):
-    state = feed(state, place(host_grads(i), mesh), np.float32(WEIGHTS[i]),
-                 MEAN[i])
+    state = feed(
+      state, place(host_grads(i), mesh), np.float32(WEIGHTS[i]), MEAN[i]
+    )
   return state
 
 
 def to_host(tree) -> dict:
   """Flat {keystr path: NumPy copy} of a tree's leaves."""
   import jax  # pylint: disable=g-import-not-at-top
+
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
 
@@ -104,6 +119,7 @@ def _resume(ckpt_dir: str, out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
 
   mesh = make_mesh(len(jax.devices()))
@@ -112,13 +128,20 @@ def _resume(ckpt_dir: str, out: str) -> None:
   results = {}
   with ocp.CheckpointManager(ckpt_dir) as mngr:
     for step in mngr.all_steps():
-      got = mngr.restore(step, args=ocp.args.Composite(
-          accum=wa.AccumRestore(template), data=ocp.args.JsonRestore()))
+      got = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+          accum=wa.AccumRestore(template), data=ocp.args.JsonRestore()
+        ),
+      )
       state = got.accum
       # Where the restored buffers live: must be this process's mesh.
-      results[f"{step}/placed_as_params"] = np.array(all(
-          b.sharding.is_equivalent_to(p.sharding, b.ndim) for b, p in
-          zip(jax.tree.leaves(state.grads), jax.tree.leaves(params))))
+      results[f"{step}/placed_as_params"] = np.array(
+        all(
+          b.sharding.is_equivalent_to(p.sharding, b.ndim)
+          for b, p in zip(jax.tree.leaves(state.grads), jax.tree.leaves(params))
+        )
+      )
       results[f"{step}/issued"] = np.asarray(state.issued)
       state = run(state, got.data["next_microbatch"], K, mesh)
       out_grads, _ = wa.finish_mean(state)
@@ -134,12 +157,15 @@ OPTAX_K = 3  # microbatches per window; K microbatches make two windows
 
 def optax_tx():
   import optax  # pylint: disable=g-import-not-at-top
+
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
-  return wa.weighted_multi_steps(optax.adamw(1e-2, weight_decay=0.1),
-                                 every_k=OPTAX_K)
+
+  return wa.weighted_multi_steps(
+    optax.adamw(1e-2, weight_decay=0.1), every_k=OPTAX_K
+  )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def optax_step_fn():
   """One jitted, donating microbatch step of the wrapper + apply_updates.
 
@@ -149,6 +175,7 @@ def optax_step_fn():
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
+
   tx = optax_tx()
 
   def step(params, opt_state, noise, weight):
@@ -170,6 +197,7 @@ def optax_run(params, opt_state, start: int, stop: int):
 def _optax(ckpt_dir: str, out: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
 
   params0 = jax.tree.map(jax.numpy.asarray, host_params())
@@ -178,11 +206,17 @@ def _optax(ckpt_dir: str, out: str) -> None:
   results = {}
   with ocp.CheckpointManager(ckpt_dir) as mngr:
     for step in mngr.all_steps():
-      got = mngr.restore(step, args=ocp.args.Composite(
+      got = mngr.restore(
+        step,
+        args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract_params),
-          opt=wa.AccumRestore(template), data=ocp.args.JsonRestore()))
-      params, opt_state = optax_run(got.params, got.opt,
-                                    got.data["next_microbatch"], K)
+          opt=wa.AccumRestore(template),
+          data=ocp.args.JsonRestore(),
+        ),
+      )
+      params, opt_state = optax_run(
+        got.params, got.opt, got.data["next_microbatch"], K
+      )
       for path, x in to_host(params).items():
         results[f"{step}/params{path}"] = x
       results[f"{step}/gradient_step"] = np.asarray(opt_state.gradient_step)
@@ -194,6 +228,7 @@ def _crash(ckpt_dir: str) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
 
   mesh = make_mesh(len(jax.devices()))

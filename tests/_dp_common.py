@@ -18,7 +18,7 @@ from _helpers import loss_sum
 from _helpers import max_rel_err  # noqa: F401
 from _helpers import per_item_loss  # noqa: F401
 
-D, H = 5, 8          # input features, hidden units (H divisible by 8)
+D, H = 5, 8  # input features, hidden units (H divisible by 8)
 WEIGHT_CHOICES = np.array([0.0, 0.5, 1.0, 1.0, 3.0], np.float32)
 
 
@@ -26,8 +26,14 @@ def make_params(seed: int = 0) -> dict[str, np.ndarray]:
   return _helpers.make_params(seed, D, H)
 
 
-def make_data(seed: int, k: int, replicas: int, per_replica: int,
-              zero_replica: int | None = None, zero_prob: float = 0.3):
+def make_data(
+  seed: int,
+  k: int,
+  replicas: int,
+  per_replica: int,
+  zero_replica: int | None = None,
+  zero_prob: float = 0.3,
+):
   """Window data ``x [K, R*B, D]``, ``y [K, R*B]``, ``m [K, R*B]``.
 
   Replica r owns columns ``r*B:(r+1)*B`` (the layout of ``P(None, 'data')``).
@@ -58,16 +64,17 @@ def _full_batch_grad(p, x, y, m):
 def reference_grad(params, x, y, m):
   """The single-device full-batch gradient of the window's mean loss."""
   dev = jax.devices()[0]
-  args = jax.device_put((params, x.reshape(-1, D), y.reshape(-1),
-                         m.reshape(-1)), dev)
+  args = jax.device_put(
+    (params, x.reshape(-1, D), y.reshape(-1), m.reshape(-1)), dev
+  )
   return jax.tree.map(np.asarray, _full_batch_grad(*args))
 
 
 # Multi-process run (tests/_dp_worker.py): 2 processes x 4 CPU devices.
 MP_PROCESSES = 2
 MP_LOCAL_DEVICES = 4
-MP_K = 4            # microbatches per window
-MP_SAVE_AFTER = 2   # checkpoint mid-window after this many microbatches
+MP_K = 4  # microbatches per window
+MP_SAVE_AFTER = 2  # checkpoint mid-window after this many microbatches
 MP_B = 4
 
 

@@ -30,16 +30,21 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
   # pylint: disable=g-import-not-at-top
   # jax is imported here, after the caller's XLA_FLAGS took effect.
   import jax
+
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-      process_id=process_id, initialization_timeout=60,
-      heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=60,
+    heartbeat_timeout_seconds=30,
+    shutdown_timeout_seconds=30,
+  )
 
   from jax.experimental import multihost_utils
+  import jax.numpy as jnp
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
-  import jax.numpy as jnp
   import numpy as np
   import orbax.checkpoint as ocp
 
@@ -52,12 +57,15 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
   from weighted_accum.checkpoint import abstract_state
 
   assert jax.process_count() == 2 and jax.device_count() == 8, (
-      jax.process_count(), jax.device_count())
+    jax.process_count(),
+    jax.device_count(),
+  )
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
   def global_array(host, spec):
     return jax.make_array_from_callback(
-        host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
+      host.shape, NamedSharding(mesh, spec), lambda idx: host[idx]
+    )
 
   host_params = common.make_params(0)
   x, y, m = common.multiprocess_data()
@@ -76,22 +84,26 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
     out, _ = dist.finish_mean(state, "data")
     return out.grads, out.weight, out.valid
 
-  grads, weight, valid = jax.jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(P(), spec, spec, spec),
-      out_specs=P()))(params, xs, ys, ms)
+  grads, weight, valid = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=(P(), spec, spec, spec), out_specs=P()
+    )
+  )(params, xs, ys, ms)
   for k, v in grads.items():
     results[f"explicit/{k}"] = np.asarray(v.addressable_data(0))
   results["explicit_weight"] = np.asarray(weight.addressable_data(0))
   results["explicit_valid"] = np.asarray(valid.addressable_data(0))
-  local_w = float(m.reshape(common.MP_K, 8, -1)[
-      :, 4 * process_id:4 * process_id + 4].sum())
+  local_w = float(
+    m.reshape(common.MP_K, 8, -1)[:, 4 * process_id : 4 * process_id + 4].sum()
+  )
   results["local_weight"] = np.float32(local_w)
 
   # 2. Implicit style, FSDP over all 8 devices, checkpoint mid-window.
   fsdp = {"w1": P(None, "data"), "b1": P("data"), "w2": P("data")}
   params = jax.tree.map(global_array, host_params, fsdp)
-  grad_fn = jax.jit(lambda p, x, y, m: (jax.grad(common.loss_sum)(p, x, y, m),
-                                        jnp.sum(m)))
+  grad_fn = jax.jit(
+    lambda p, x, y, m: (jax.grad(common.loss_sum)(p, x, y, m), jnp.sum(m))
+  )
   acc = jax.jit(wa.accumulate_sum, donate_argnums=0)
   finish = jax.jit(wa.finish_mean, donate_argnums=0)
 
@@ -104,49 +116,62 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
   def local_shards(tree):
     """This process's values of every leaf, by the global index they hold
     (copied: the arrays are donated afterwards)."""
-    return [{str(s.index): np.array(s.data, copy=True)
-             for s in leaf.addressable_shards}
-            for leaf in jax.tree.leaves(tree)]
+    return [
+      {
+        str(s.index): np.array(s.data, copy=True)
+        for s in leaf.addressable_shards
+      }
+      for leaf in jax.tree.leaves(tree)
+    ]
 
   def bitwise_equal(a, b):
     return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(
-            x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k])
-            for k in x)
-        for x, y in zip(a, b))
+      x.keys() == y.keys()
+      and all(
+        x[k].dtype == y[k].dtype and np.array_equal(x[k], y[k]) for k in x
+      )
+      for x, y in zip(a, b)
+    )
 
   state = feed(wa.init(params), range(common.MP_SAVE_AFTER))
   assert state.grads["w1"].addressable_shards[0].data.shape == (
-      common.D, common.H // 8)
+    common.D,
+    common.H // 8,
+  )
   saved = local_shards(state)
   with ocp.CheckpointManager(ckpt_dir) as mngr:
-    mngr.save(common.MP_SAVE_AFTER,
-              args=ocp.args.Composite(accum=AccumSave(state)))
+    mngr.save(
+      common.MP_SAVE_AFTER, args=ocp.args.Composite(accum=AccumSave(state))
+    )
     mngr.wait_until_finished()
   state = feed(state, range(common.MP_SAVE_AFTER, common.MP_K))
   out, _ = finish(state)
   first = local_shards(out)
   for k, g in out.grads.items():
     results[f"implicit/{k}"] = np.asarray(
-        multihost_utils.process_allgather(g, tiled=True))
+      multihost_utils.process_allgather(g, tiled=True)
+    )
   results["implicit_weight"] = np.asarray(out.weight.addressable_data(0))
 
   # Resume from the checkpoint, as a restarted job would.
   with ocp.CheckpointManager(ckpt_dir) as mngr:
     step = mngr.latest_step()
-    restored = mngr.restore(step, args=ocp.args.Composite(
-        accum=AccumRestore(abstract_state(params)))).accum
+    restored = mngr.restore(
+      step, args=ocp.args.Composite(accum=AccumRestore(abstract_state(params)))
+    ).accum
   results["restored_bitwise"] = np.bool_(
-      step == common.MP_SAVE_AFTER and
-      bitwise_equal(local_shards(restored), saved))
-  results["restored_sharding"] = np.bool_(all(
+    step == common.MP_SAVE_AFTER
+    and bitwise_equal(local_shards(restored), saved)
+  )
+  results["restored_sharding"] = np.bool_(
+    all(
       r.sharding.is_equivalent_to(p.sharding, p.ndim)
-      for r, p in zip(jax.tree.leaves(restored.grads),
-                      jax.tree.leaves(params))))
+      for r, p in zip(jax.tree.leaves(restored.grads), jax.tree.leaves(params))
+    )
+  )
   state = feed(restored, range(common.MP_SAVE_AFTER, common.MP_K))
   out2, _ = finish(state)
-  results["resume_bitwise"] = np.bool_(bitwise_equal(local_shards(out2),
-                                                     first))
+  results["resume_bitwise"] = np.bool_(bitwise_equal(local_shards(out2), first))
 
   np.savez(out_path, **results)
   jax.distributed.shutdown()

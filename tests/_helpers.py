@@ -19,9 +19,9 @@ def make_params(seed: int = 0, d: int = 5, h: int = 8) -> dict[str, np.ndarray]:
   """Host params of the model: ``d`` inputs, ``h`` hidden units."""
   rng = np.random.default_rng(seed)
   return {
-      "w1": (rng.standard_normal((d, h)) / np.sqrt(d)).astype(np.float32),
-      "b1": (0.1 * rng.standard_normal(h)).astype(np.float32),
-      "w2": (rng.standard_normal(h) / np.sqrt(h)).astype(np.float32),
+    "w1": (rng.standard_normal((d, h)) / np.sqrt(d)).astype(np.float32),
+    "b1": (0.1 * rng.standard_normal(h)).astype(np.float32),
+    "w2": (rng.standard_normal(h) / np.sqrt(h)).astype(np.float32),
   }
 
 
@@ -35,7 +35,7 @@ def loss_sum(p, x, y, m):
 
 
 def loss_mean(p, x, y, m):
-  return loss_sum(p, x, y, m) / jnp.sum(m)   # NaN for an empty microbatch
+  return loss_sum(p, x, y, m) / jnp.sum(m)  # NaN for an empty microbatch
 
 
 def max_rel_err(got, ref) -> float:

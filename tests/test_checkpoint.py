@@ -46,8 +46,15 @@ def _child_env(n_devices: int) -> dict[str, str]:
 def _bits(tree) -> list[tuple[str, str, tuple, bytes]]:
   """Leaves as (path, dtype, shape, raw bytes): equality is bitwise."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [(jax.tree_util.keystr(p), str(np.asarray(x).dtype), np.shape(x),
-           np.asarray(x).tobytes()) for p, x in flat]
+  return [
+    (
+      jax.tree_util.keystr(p),
+      str(np.asarray(x).dtype),
+      np.shape(x),
+      np.asarray(x).tobytes(),
+    )
+    for p, x in flat
+  ]
 
 
 def _save(path, tree) -> None:
@@ -88,17 +95,25 @@ def test_resume_in_new_process_on_other_mesh_is_bitwise(tmp_path, mesh8):
   with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
     for i in range(child.K):
       if i in saved_at:
-        mngr.save(i, args=ocp.args.Composite(
+        mngr.save(
+          i,
+          args=ocp.args.Composite(
             accum=wa.AccumSave(state),
             params=ocp.args.StandardSave(params),
-            data=ocp.args.JsonSave({"next_microbatch": i})))
+            data=ocp.args.JsonSave({"next_microbatch": i}),
+          ),
+        )
       state = child.run(state, i, i + 1, mesh8)
   # A fresh process with 2 devices (mesh 2x1 instead of 4x2) resumes each.
   out = tmp_path / "resumed.npz"
   proc = subprocess.run(
-      [sys.executable, str(CHILD), "resume", str(tmp_path / "ckpt"),
-       str(out)], env=_child_env(2), capture_output=True, text=True,
-      timeout=240, check=False)
+    [sys.executable, str(CHILD), "resume", str(tmp_path / "ckpt"), str(out)],
+    env=_child_env(2),
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = np.load(out)
   for step in saved_at:
@@ -126,17 +141,25 @@ def test_optax_wrapper_resume_in_new_process_is_bitwise(tmp_path):
   with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
     for i in range(child.K):
       if i in saved_at:
-        mngr.save(i, args=ocp.args.Composite(
+        mngr.save(
+          i,
+          args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt=wa.AccumSave(opt_state),
-            data=ocp.args.JsonSave({"next_microbatch": i})))
+            data=ocp.args.JsonSave({"next_microbatch": i}),
+          ),
+        )
       params, opt_state = child.optax_run(params, opt_state, i, i + 1)
   assert _bits(params) == _bits(params_a)  # donation did not hurt the saves
   out = tmp_path / "resumed.npz"
   proc = subprocess.run(
-      [sys.executable, str(CHILD), "optax", str(tmp_path / "ckpt"), str(out)],
-      env=_child_env(1), capture_output=True, text=True, timeout=240,
-      check=False)
+    [sys.executable, str(CHILD), "optax", str(tmp_path / "ckpt"), str(out)],
+    env=_child_env(1),
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = np.load(out)
   for step in saved_at:
@@ -147,23 +170,34 @@ def test_optax_wrapper_resume_in_new_process_is_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("template_kind", ["fresh", "eval_shape"])
-def test_optax_wrapper_state_resumes_on_a_mesh(tmp_path, mesh8,
-                                               template_kind):
+def test_optax_wrapper_state_resumes_on_a_mesh(tmp_path, mesh8, template_kind):
   fresh = lambda: child.place(child.host_params(), mesh8)
   tx = child.optax_tx()
   params_a, state_a = child.optax_run(fresh(), tx.init(fresh()), 0, child.K)
   params, state = child.optax_run(fresh(), tx.init(fresh()), 0, 4)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    mngr.save(4, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                         opt=wa.AccumSave(state)))
+    mngr.save(
+      4,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), opt=wa.AccumSave(state)
+      ),
+    )
   # A fresh state (its scalars uncommitted) or an abstract one as template.
-  template = (tx.init(fresh()) if template_kind == "fresh"
-              else jax.eval_shape(tx.init, fresh()))
+  template = (
+    tx.init(fresh())
+    if template_kind == "fresh"
+    else jax.eval_shape(tx.init, fresh())
+  )
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    got = mngr.restore(4, args=ocp.args.Composite(
+    got = mngr.restore(
+      4,
+      args=ocp.args.Composite(
         params=ocp.args.StandardRestore(
-            jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh())),
-        opt=wa.AccumRestore(template)))
+          jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh())
+        ),
+        opt=wa.AccumRestore(template),
+      ),
+    )
   assert isinstance(got.opt, wa.WeightedMultiStepsState)
   assert int(got.opt.mini_step) == 1 and int(got.opt.gradient_step) == 1
   params_b, state_b = child.optax_run(got.params, got.opt, 4, child.K)
@@ -171,17 +205,24 @@ def test_optax_wrapper_state_resumes_on_a_mesh(tmp_path, mesh8,
   assert _bits(state_b) == _bits(state_a)
 
 
-@given(weights=st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 1e3, 7.25]),
-                        min_size=1, max_size=5),
-       j=st.integers(0, 5), seed=st.integers(0, 2**16),
-       dtype=st.sampled_from(["float32", "bfloat16", "float16"]))
+@given(
+  weights=st.lists(
+    st.sampled_from([0.0, 0.5, 1.0, 3.0, 1e3, 7.25]), min_size=1, max_size=5
+  ),
+  j=st.integers(0, 5),
+  seed=st.integers(0, 2**16),
+  dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+)
 def test_resume_in_process_is_bitwise(weights, j, seed, dtype):
   j = min(j, len(weights))
   rng = np.random.default_rng(seed)
   params = {"a": jnp.zeros((3, 5)), "b": [jnp.zeros(2), None]}
-  grads = [jax.tree.map(
-      lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
-      params) for _ in weights]
+  grads = [
+    jax.tree.map(
+      lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32), params
+    )
+    for _ in weights
+  ]
 
   def feed(state, lo, hi):
     for g, w in zip(grads[lo:hi], weights[lo:hi]):
@@ -192,8 +233,7 @@ def test_resume_in_process_is_bitwise(weights, j, seed, dtype):
   uninterrupted = feed(fresh, 0, len(weights))
   with tempfile.TemporaryDirectory() as d:
     _save(pathlib.Path(d) / "accum", feed(fresh, 0, j))
-    template = jax.eval_shape(functools.partial(wa.init, dtype=dtype),
-                              params)
+    template = jax.eval_shape(functools.partial(wa.init, dtype=dtype), params)
     resumed = _restore(pathlib.Path(d) / "accum", template)
   resumed = feed(resumed, j, len(weights))
   assert _bits(resumed) == _bits(uninterrupted)
@@ -206,8 +246,9 @@ def test_resume_in_process_is_bitwise(weights, j, seed, dtype):
 def _wait_for_line(proc, marker: str, timeout: float) -> None:
   """Reads the child's stdout until ``marker``; fails after ``timeout`` s."""
   lines: queue.Queue[str] = queue.Queue()
-  threading.Thread(target=lambda: [lines.put(l.strip()) for l in proc.stdout],
-                   daemon=True).start()
+  threading.Thread(
+    target=lambda: [lines.put(l.strip()) for l in proc.stdout], daemon=True
+  ).start()
   seen, deadline = [], time.monotonic() + timeout
   while time.monotonic() < deadline:
     try:
@@ -226,15 +267,20 @@ def _wait_for_line(proc, marker: str, timeout: float) -> None:
 def test_sigkill_during_save_keeps_previous_step(tmp_path):
   ckpt = tmp_path / "ckpt"
   proc = subprocess.Popen(  # pylint: disable=consider-using-with
-      [sys.executable, str(CHILD), "crash", str(ckpt)], env=_child_env(8),
-      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    [sys.executable, str(CHILD), "crash", str(ckpt)],
+    env=_child_env(8),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
   try:
     _wait_for_line(proc, "WRITING", timeout=120)
     # Step 2's array data is on disk, its metadata is not: kill now.
     partial = [p for p in ckpt.iterdir() if p.name.startswith("2.")]
     assert partial and not (ckpt / "2").exists(), list(ckpt.iterdir())
     assert any(f.parent.name == "d" for f in partial[0].rglob("*")), list(
-        partial[0].rglob("*"))
+      partial[0].rglob("*")
+    )
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
   finally:
@@ -249,15 +295,17 @@ def test_sigkill_during_save_keeps_previous_step(tmp_path):
   with ocp.CheckpointManager(ckpt) as mngr:
     assert mngr.latest_step() == 1
     assert mngr.all_steps() == [1]
-    got = mngr.restore(1, args=ocp.args.Composite(
-        accum=wa.AccumRestore(template))).accum
+    got = mngr.restore(
+      1, args=ocp.args.Composite(accum=wa.AccumRestore(template))
+    ).accum
     assert _bits(got) == _bits(step1)
     step2 = child.run(got, 2, 4, mesh)
     mngr.save(2, args=ocp.args.Composite(accum=wa.AccumSave(step2)))
     mngr.wait_until_finished()
     assert mngr.latest_step() == 2
-    again = mngr.restore(2, args=ocp.args.Composite(
-        accum=wa.AccumRestore(template))).accum
+    again = mngr.restore(
+      2, args=ocp.args.Composite(accum=wa.AccumRestore(template))
+    ).accum
   _, want2 = _mid_window(mesh, 4)
   assert _bits(again) == _bits(want2)
 
@@ -269,16 +317,21 @@ def test_sharded_restore_on_the_same_mesh(tmp_path, mesh8):
   params, state = _mid_window(mesh8)
   want = _bits(state)
   _save(tmp_path / "accum", state)
-  continued = _bits(child.run(jax.tree.map(jnp.copy, state), 3, child.K,
-                              mesh8))  # run() donates its input
-  for template in (wa.abstract_state(params, BF16), state,
-                   wa.init(params, BF16)):
+  continued = _bits(
+    child.run(jax.tree.map(jnp.copy, state), 3, child.K, mesh8)
+  )  # run() donates its input
+  for template in (
+    wa.abstract_state(params, BF16),
+    state,
+    wa.init(params, BF16),
+  ):
     got = _restore(tmp_path / "accum", template)
     assert _bits(got) == want
     assert _bits(child.run(got, 3, child.K, mesh8)) == continued
     reference = wa.init(params, BF16)  # where init puts each buffer
-    for g, r in zip(jax.tree.leaves(got.grads),
-                    jax.tree.leaves(reference.grads)):
+    for g, r in zip(
+      jax.tree.leaves(got.grads), jax.tree.leaves(reference.grads)
+    ):
       assert g.sharding.is_equivalent_to(r.sharding, g.ndim)
       assert len(g.sharding.device_set) == 8
 
@@ -296,27 +349,34 @@ def test_restore_onto_a_smaller_mesh(tmp_path, mesh8, n_devices):
     assert len(g.sharding.device_set) == n_devices
   # The restored window continues on the new mesh like the original would.
   assert _bits(child.run(got, 3, child.K, mesh)) == _bits(
-      child.run(state, 3, child.K, mesh8))
+    child.run(state, 3, child.K, mesh8)
+  )
 
 
 def test_abstract_state_keeps_shardings_eval_shape_does_not(mesh8):
   params = child.place(child.host_params(), mesh8)
   abstract = wa.abstract_state(params, BF16)
   concrete = wa.init(params, BF16)
-  for a, c in zip(jax.tree.leaves(abstract.grads),
-                  jax.tree.leaves(concrete.grads)):
+  for a, c in zip(
+    jax.tree.leaves(abstract.grads), jax.tree.leaves(concrete.grads)
+  ):
     assert (a.shape, a.dtype) == (c.shape, c.dtype)
     assert a.sharding.is_equivalent_to(c.sharding, len(a.shape))
   assert abstract.dtype == BF16
   # The reason the helper exists: eval_shape drops them.
-  assert all(x.sharding is None for x in jax.tree.leaves(
-      jax.eval_shape(functools.partial(wa.init, dtype=BF16), params).grads))
+  assert all(
+    x.sharding is None
+    for x in jax.tree.leaves(
+      jax.eval_shape(functools.partial(wa.init, dtype=BF16), params).grads
+    )
+  )
 
 
 def test_eval_shape_template_restores_on_the_saved_sharding(tmp_path):
   params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
-  state = wa.accumulate_sum(wa.init(params),
-                            {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}, 2.0)
+  state = wa.accumulate_sum(
+    wa.init(params), {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}, 2.0
+  )
   _save(tmp_path / "accum", state)
   got = _restore(tmp_path / "accum", jax.eval_shape(wa.init, params))
   assert _bits(got) == _bits(state)
@@ -329,8 +389,10 @@ def test_eval_shape_template_restores_on_the_saved_sharding(tmp_path):
 @pytest.fixture
 def saved(tmp_path):
   """A bfloat16 mid-window state saved to tmp_path/'accum'."""
-  params = {"dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)},
-            "head": jnp.zeros((3, 2))}
+  params = {
+    "dense": {"kernel": jnp.zeros((4, 3)), "bias": jnp.zeros(3)},
+    "head": jnp.zeros((3, 2)),
+  }
   grads = jax.tree.map(lambda p: jnp.full(p.shape, 0.25), params)
   state = wa.accumulate_mean(wa.init(params, BF16, 4.0), grads, 6.0)
   _save(tmp_path / "accum", state)
@@ -346,7 +408,8 @@ def _assert_refused(path, template, *needles):
     assert needle in msg, (needle, msg)
   # The caller's state is unchanged and still usable.
   if isinstance(template, wa.AccumState) and not isinstance(
-      jax.tree.leaves(template)[0], jax.ShapeDtypeStruct):
+    jax.tree.leaves(template)[0], jax.ShapeDtypeStruct
+  ):
     assert _bits(template) == before
     ones = jax.tree.map(jnp.ones_like, template.grads)
     assert wa.accumulate_sum(template, ones, 1.0).issued == template.issued + 1
@@ -356,8 +419,7 @@ def _assert_refused(path, template, *needles):
 def test_refuses_a_missing_leaf(saved):
   path, params, _ = saved
   params = dict(params, extra=jnp.zeros(2))
-  _assert_refused(path, wa.init(params, BF16), "['grads']['extra']",
-                  "missing")
+  _assert_refused(path, wa.init(params, BF16), "['grads']['extra']", "missing")
 
 
 def test_refuses_an_extra_leaf(saved):
@@ -369,8 +431,13 @@ def test_refuses_an_extra_leaf(saved):
 def test_refuses_a_shape_mismatch(saved):
   path, params, _ = saved
   params["dense"]["kernel"] = jnp.zeros((4, 4))
-  _assert_refused(path, wa.init(params, BF16),
-                  "['grads']['dense']['kernel']", "(4, 3)", "(4, 4)")
+  _assert_refused(
+    path,
+    wa.init(params, BF16),
+    "['grads']['dense']['kernel']",
+    "(4, 3)",
+    "(4, 4)",
+  )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -385,8 +452,7 @@ def test_refuses_a_cast_of_another_leaf(tmp_path):
   state = wa.init({"w": jnp.zeros(2)})
   _save(tmp_path / "tree", {"accum": state, "mu": jnp.zeros(2, BF16)})
   template = {"accum": state, "mu": jnp.zeros(2, jnp.float32)}
-  _assert_refused(tmp_path / "tree", template, "['mu']", "bfloat16",
-                  "float32")
+  _assert_refused(tmp_path / "tree", template, "['mu']", "bfloat16", "float32")
 
 
 def test_state_without_buffers_keeps_its_work_dtype(tmp_path):
@@ -402,11 +468,18 @@ def test_refuses_a_python_scalar_of_another_type(tmp_path):
   # (7.5 -> 7) if not refused.
   state = wa.init({"w": jnp.zeros(2)})
   _save(tmp_path / "tree", {"accum": state, "step": 7.5})
-  _assert_refused(tmp_path / "tree", {"accum": state, "step": 0}, "['step']",
-                  "float64", "int64")
+  _assert_refused(
+    tmp_path / "tree",
+    {"accum": state, "step": 0},
+    "['step']",
+    "float64",
+    "int64",
+  )
 
 
-@pytest.mark.parametrize("field,value,needle", [
+@pytest.mark.parametrize(
+  "field,value,needle",
+  [
     ("weight_hi", -1.0, "'total_weight'"),
     ("weight_hi", np.nan, "'total_weight'"),
     ("weight_lo", np.inf, "'total_weight'"),
@@ -417,22 +490,26 @@ def test_refuses_a_python_scalar_of_another_type(tmp_path):
     ("loss_scale", 0.0, "'loss_scale'"),
     ("loss_scale", -2.0, "'loss_scale'"),
     ("loss_scale", np.nan, "'loss_scale'"),
-])
+  ],
+)
 def test_refuses_invalid_counters(saved, field, value, needle):
   path, params, state = saved
-  bad = state.replace(**{field: jnp.asarray(value, getattr(state,
-                                                           field).dtype)})
+  bad = state.replace(
+    **{field: jnp.asarray(value, getattr(state, field).dtype)}
+  )
   _save(path.with_name("bad"), bad)
-  _assert_refused(path.with_name("bad"), wa.init(params, BF16), needle,
-                  "counters")
+  _assert_refused(
+    path.with_name("bad"), wa.init(params, BF16), needle, "counters"
+  )
 
 
 def test_refuses_nonzero_buffers_with_zero_weight(saved):
   path, params, state = saved
   bad = state.replace(weight_hi=jnp.float32(0), weight_lo=jnp.float32(0))
   _save(path.with_name("bad"), bad)
-  _assert_refused(path.with_name("bad"), wa.init(params, BF16),
-                  "total weight is 0")
+  _assert_refused(
+    path.with_name("bad"), wa.init(params, BF16), "total weight is 0"
+  )
 
 
 def _edit_metadata(path, edit) -> None:
@@ -444,8 +521,7 @@ def _edit_metadata(path, edit) -> None:
 
 def test_refuses_an_unknown_format_version(saved):
   path, params, _ = saved
-  _edit_metadata(path, lambda m: m["weighted_accum"].update(
-      format_version=99))
+  _edit_metadata(path, lambda m: m["weighted_accum"].update(format_version=99))
   _assert_refused(path, wa.init(params, BF16), "'format_version'", "99")
 
 
@@ -453,16 +529,21 @@ def test_refuses_a_checkpoint_not_written_by_accum_save(saved):
   path, params, state = saved
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path.with_name("std"), state)
-  _assert_refused(path.with_name("std"), wa.init(params, BF16),
-                  "'weighted_accum'", "AccumSave")
+  _assert_refused(
+    path.with_name("std"),
+    wa.init(params, BF16),
+    "'weighted_accum'",
+    "AccumSave",
+  )
 
 
 def test_refuses_a_different_accumulator_layout(saved, tmp_path):
   path, params, state = saved
   _assert_refused(path, {"accum": state}, "AccumState", "['accum']")
   _save(tmp_path / "two", {"a": state, "b": state})
-  _assert_refused(tmp_path / "two", {"a": state, "b": state.grads},
-                  "AccumState", "['b']")
+  _assert_refused(
+    tmp_path / "two", {"a": state, "b": state.grads}, "AccumState", "['b']"
+  )
 
 
 def _data_files(path):
@@ -472,8 +553,7 @@ def _data_files(path):
 
 
 # Orbax leaves an "Event loop is closed" callback behind after a failed read.
-@pytest.mark.filterwarnings(
-    "ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_refuses_missing_or_truncated_array_files(saved, damage):
   path, params, _ = saved
@@ -481,9 +561,8 @@ def test_refuses_missing_or_truncated_array_files(saved, damage):
     if damage == "delete":
       f.unlink()
     else:
-      f.write_bytes(f.read_bytes()[:len(f.read_bytes()) // 2])
-  _assert_refused(path, wa.init(params, BF16),
-                  "missing, truncated or corrupt")
+      f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+  _assert_refused(path, wa.init(params, BF16), "missing, truncated or corrupt")
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
@@ -505,8 +584,8 @@ def test_refuses_a_missing_item_directory(saved):
   # (FileNotFoundError, KeyError); the handler refuses on its own as well.
   with pytest.raises(wa.WeightedAccumulationError, match="does not exist"):
     AccumCheckpointHandler().restore(
-        path.with_name("nowhere"),
-        args=wa.AccumRestore(wa.init(params, BF16)))
+      path.with_name("nowhere"), args=wa.AccumRestore(wa.init(params, BF16))
+    )
 
 
 def test_restore_without_a_template_is_refused(saved):
@@ -523,17 +602,20 @@ def test_restore_without_a_template_is_refused(saved):
 # 5. Async save, then donation at once -------------------------------------------
 
 
-def test_async_save_then_donation_writes_the_pre_donation_values(tmp_path,
-                                                                 mesh8):
+def test_async_save_then_donation_writes_the_pre_donation_values(
+  tmp_path, mesh8
+):
   shard = jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec("a"))
-  params = {"big": jax.device_put(jnp.zeros((1 << 12, 1 << 10)), shard),
-            "small": jnp.zeros(7)}
-  params["small"] = jax.device_put(params["small"],
-                                   jax.sharding.NamedSharding(
-                                       mesh8, jax.sharding.PartitionSpec()))
+  params = {
+    "big": jax.device_put(jnp.zeros((1 << 12, 1 << 10)), shard),
+    "small": jnp.zeros(7),
+  }
+  params["small"] = jax.device_put(
+    params["small"],
+    jax.sharding.NamedSharding(mesh8, jax.sharding.PartitionSpec()),
+  )
   ones = jax.tree.map(jnp.ones_like, params)
-  step = jax.jit(lambda s, g: wa.accumulate_sum(s, g, 1.0),
-                 donate_argnums=0)
+  step = jax.jit(lambda s, g: wa.accumulate_sum(s, g, 1.0), donate_argnums=0)
   state = step(wa.init(params), ones)
   before = _bits(state)
   options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
@@ -543,8 +625,10 @@ def test_async_save_then_donation_writes_the_pre_donation_values(tmp_path,
     for _ in range(3):  # overwrite the saved buffers in place
       state = step(state, ones)
     mngr.wait_until_finished()
-    got = mngr.restore(1, args=ocp.args.Composite(
-        accum=wa.AccumRestore(wa.abstract_state(params)))).accum
+    got = mngr.restore(
+      1,
+      args=ocp.args.Composite(accum=wa.AccumRestore(wa.abstract_state(params))),
+    ).accum
   assert _bits(got) == before
   assert float(state.grads["big"][0, 0]) == 4.0 and state.total_weight == 4.0
 
@@ -557,12 +641,16 @@ def test_tree_with_accumulator_and_optimizer_state(tmp_path):
   opt = optax.adamw(1e-2)
   opt_state = opt.init(params)
   _, opt_state = opt.update(jax.tree.map(jnp.sin, params), opt_state, params)
-  accum = wa.accumulate_mean(wa.init(params, BF16),
-                             jax.tree.map(jnp.cos, params), 5.0)
+  accum = wa.accumulate_mean(
+    wa.init(params, BF16), jax.tree.map(jnp.cos, params), 5.0
+  )
   tree = {"opt": opt_state, "accum": accum, "step": 7}
   _save(tmp_path / "tree", tree)
-  template = {"opt": jax.eval_shape(opt.init, params),
-              "accum": wa.abstract_state(params, BF16), "step": 0}
+  template = {
+    "opt": jax.eval_shape(opt.init, params),
+    "accum": wa.abstract_state(params, BF16),
+    "step": 0,
+  }
   got = _restore(tmp_path / "tree", template)
   assert _bits(got) == _bits(tree)
   assert got["step"] == 7 and isinstance(got["step"], int)
@@ -570,9 +658,12 @@ def test_tree_with_accumulator_and_optimizer_state(tmp_path):
 
 
 def test_readme_checkpoint_example_runs(capsys):
-  readme = (pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md").read_text()
+  readme = (
+    pathlib.Path(__file__).parent.parent / "docs" / "checkpointing.md"
+  ).read_text()
   section = readme.split("<!-- BEGIN checkpoint -->")[1].split(
-      "<!-- END checkpoint -->")[0]
+    "<!-- END checkpoint -->"
+  )[0]
   code = section.split("```python\n")[1].split("```")[0]
   exec(compile(code, "README checkpoint", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.split() == ["1", "7.0", "bfloat16"]

@@ -16,12 +16,12 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import weighted_accum as wa
 from weighted_accum import distributed as dist
@@ -56,6 +56,7 @@ def _accumulate_step():
   def step(state, params):
     grads = jax.tree.map(lambda p: 2 * p, params)
     return wa.accumulate_mean(state, grads, 3.0), params
+
   return step
 
 
@@ -75,8 +76,10 @@ def _born(how, params):
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("how", ["init", "init_bf16_scaled",
-                                 "from_buffers_device", "from_buffers_numpy"])
+@pytest.mark.parametrize(
+  "how",
+  ["init", "init_bf16_scaled", "from_buffers_device", "from_buffers_numpy"],
+)
 def test_core_state_step_compiles_once(how, placement):
   params = _params(placement)
   assert _compiles(_accumulate_step(), _born(how, params), params) == 1
@@ -100,13 +103,15 @@ def test_state_leaves_are_placed_as_a_step_returns_them(placement):
 def test_restored_state_step_compiles_once(template, placement):
   params = _params(placement)
   state = wa.accumulate_sum(wa.init(params), params, 5.0)
-  tmpl = (wa.init(params) if template == "concrete"
-          else wa.abstract_state(params))
+  tmpl = (
+    wa.init(params) if template == "concrete" else wa.abstract_state(params)
+  )
   with tempfile.TemporaryDirectory() as d, ocp.CheckpointManager(d) as mngr:
     mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
     mngr.wait_until_finished()
-    restored = mngr.restore(1, args=ocp.args.Composite(
-        accum=wa.AccumRestore(tmpl))).accum
+    restored = mngr.restore(
+      1, args=ocp.args.Composite(accum=wa.AccumRestore(tmpl))
+    ).accum
   assert _compiles(_accumulate_step(), restored, params) == 1
 
 
@@ -132,8 +137,7 @@ def test_apply_window_step_compiles_once():
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def step(params, opt_state, state):
     state = wa.accumulate_mean(state, jax.tree.map(jnp.cos, params), 2.0)
-    params, opt_state, state, _ = wa.apply_window(tx, state, params,
-                                                  opt_state)
+    params, opt_state, state, _ = wa.apply_window(tx, state, params, opt_state)
     return params, opt_state, state
 
   params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)

@@ -29,8 +29,9 @@ GRAPHDEF, PARAMS = nnx.split(MODEL, nnx.Param)
 
 def _loss(params, batch, kind):
   model = nnx.merge(GRAPHDEF, params)
-  return toy.sum_loss(model, batch) if kind == "sum" else toy.mean_loss(
-      model, batch)
+  return (
+    toy.sum_loss(model, batch) if kind == "sum" else toy.mean_loss(model, batch)
+  )
 
 
 _grad = jax.jit(jax.grad(_loss), static_argnums=2)
@@ -61,8 +62,13 @@ def splits(draw):
   n = BATCH.lengths.shape[0]
   cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=5)))
   bounds = [0, *cuts, n]
-  kinds = draw(st.lists(st.sampled_from(["sum", "mean"]),
-                        min_size=len(bounds) - 1, max_size=len(bounds) - 1))
+  kinds = draw(
+    st.lists(
+      st.sampled_from(["sum", "mean"]),
+      min_size=len(bounds) - 1,
+      max_size=len(bounds) - 1,
+    )
+  )
   return list(zip(bounds[:-1], bounds[1:])), kinds
 
 
@@ -70,8 +76,10 @@ def splits(draw):
 @given(split=splits())
 def test_any_split_equals_full_batch_gradient(jitted, split):
   bounds, kinds = split
-  acc = {"sum": _acc_sum if jitted else wa.accumulate_sum,
-         "mean": _acc_mean if jitted else wa.accumulate_mean}
+  acc = {
+    "sum": _acc_sum if jitted else wa.accumulate_sum,
+    "mean": _acc_mean if jitted else wa.accumulate_mean,
+  }
   finish = _fin_mean if jitted else wa.finish_mean
   state = wa.init(PARAMS)
   for (a, b), kind in zip(bounds, kinds):
@@ -116,7 +124,8 @@ def test_nan_grads_of_zero_weight_microbatch_contribute_nothing(variant):
 @pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("work_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_conversion_then_weighting_matches_float64_reference(
-    variant, grad_dtype, work_dtype):
+  variant, grad_dtype, work_dtype
+):
   rng = np.random.default_rng(0)
   gs = [rng.normal(size=(4, 5)).astype(np.float32) for _ in range(3)]
   ws = [3.0, 0.5, 7.25]
@@ -126,27 +135,31 @@ def test_conversion_then_weighting_matches_float64_reference(
   for g, w, k in zip(gs, ws, kinds):
     state = fns[k](state, {"w": jnp.asarray(g, grad_dtype)}, w)
   assert state.grads["w"].dtype == jnp.dtype(work_dtype)
+
   # Reference: the grads as the caller handed them (rounded to grad_dtype),
   # then to the work dtype, in float64.
   def rounded(g):
     g = np.asarray(jnp.asarray(g, grad_dtype).astype(work_dtype), np.float64)
     return g
-  ref = sum(rounded(g) * (w if k == "mean" else 1.0)
-            for g, w, k in zip(gs, ws, kinds))
+
+  ref = sum(
+    rounded(g) * (w if k == "mean" else 1.0) for g, w, k in zip(gs, ws, kinds)
+  )
   ref_mean = ref / sum(ws)
   out, _ = variant(wa.finish_mean)(state)
   eps = float(jnp.finfo(work_dtype).eps)
-  np.testing.assert_allclose(np.asarray(out.grads["w"], np.float64), ref_mean,
-                             rtol=8 * eps, atol=8 * eps)
+  np.testing.assert_allclose(
+    np.asarray(out.grads["w"], np.float64), ref_mean, rtol=8 * eps, atol=8 * eps
+  )
 
 
 def test_float16_loss_scale_does_not_overflow(variant):
   """loss_scale * weight = 2**15 * 1000 > float16 max (65504)."""
   rng = np.random.default_rng(1)
-  mean_grad = rng.uniform(-1e-3, 1e-3, size=(64,))      # true grad of the mean
+  mean_grad = rng.uniform(-1e-3, 1e-3, size=(64,))  # true grad of the mean
   scale = 2.0**15
   state = wa.init({"w": jnp.zeros(64)}, dtype=jnp.float16, loss_scale=scale)
-  scaled = jnp.asarray(mean_grad * scale, jnp.float16)   # what backward gives
+  scaled = jnp.asarray(mean_grad * scale, jnp.float16)  # what backward gives
   state = variant(wa.accumulate_mean)(state, {"w": scaled}, 1000.0)
   assert scale * 1000 > float(jnp.finfo(jnp.float16).max)
   out, _ = variant(wa.finish_mean)(state)
@@ -184,7 +197,7 @@ def test_non_finite_pending_values_reported_once_at_finish(variant):
   state = wa.init({"a": jnp.zeros(3), "b": jnp.zeros(2)}, dtype=jnp.float16)
   big = {"a": jnp.full(3, 60000.0, jnp.float16), "b": jnp.ones(2, jnp.float16)}
   state = wa.accumulate_sum(state, big, 1)
-  state = wa.accumulate_sum(state, big, 1)   # 120000 overflows float16
+  state = wa.accumulate_sum(state, big, 1)  # 120000 overflows float16
   out, new = variant(wa.finish_mean)(state)
   assert not bool(out.finite) and not bool(out.valid)
   assert int(new.issued) == 0  # the window is consumed; the next starts clean
@@ -205,8 +218,11 @@ def test_exact_tally_reads_back_exact_python_number():
 def test_exact_tally_beyond_2_to_40_without_x64():
   assert not jax.config.jax_enable_x64
   w, n = 2**24 - 3, 70_000
-  loop = jax.jit(lambda s: jax.lax.fori_loop(
-      0, n, lambda i, s: wa.accumulate_sum(s, {"w": jnp.zeros(1)}, w), s))
+  loop = jax.jit(
+    lambda s: jax.lax.fori_loop(
+      0, n, lambda i, s: wa.accumulate_sum(s, {"w": jnp.zeros(1)}, w), s
+    )
+  )
   state = loop(wa.init({"w": jnp.zeros(1)}))
   assert n * w > 2**40
   assert state.total_weight == n * w
@@ -234,11 +250,14 @@ def test_hundred_weights_compile_once():
   weights = np.linspace(0.5, 500.0, 100).astype(np.float32)
   for w in weights:
     state = step(state, g, w)
-  np.testing.assert_allclose(np.asarray(state.grads["w"]),
-                             np.full(8, np.sum(weights.astype(np.float64))),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(state.grads["w"]),
+    np.full(8, np.sum(weights.astype(np.float64))),
+    rtol=1e-6,
+  )
+
   @functools.partial(jax.jit, donate_argnums=0)
-  @chex.assert_max_traces(n=1)   # raises on a second trace
+  @chex.assert_max_traces(n=1)  # raises on a second trace
   def fin(state):
     return wa.finish_mean(state)
 
@@ -247,15 +266,20 @@ def test_hundred_weights_compile_once():
 
 
 def test_trees_with_none_leaves_and_nnx_state(variant):
-  params = {"dense": {"kernel": jnp.ones((2, 3)), "bias": None},
-            "scale": (jnp.ones(1), None)}
-  grads = {"dense": {"kernel": jnp.full((2, 3), 2.0), "bias": None},
-           "scale": (jnp.full(1, 4.0), None)}
+  params = {
+    "dense": {"kernel": jnp.ones((2, 3)), "bias": None},
+    "scale": (jnp.ones(1), None),
+  }
+  grads = {
+    "dense": {"kernel": jnp.full((2, 3), 2.0), "bias": None},
+    "scale": (jnp.full(1, 4.0), None),
+  }
   state = variant(wa.accumulate_sum)(wa.init(params), grads, 2)
   out, _ = variant(wa.finish_mean)(state)
   assert out.grads["dense"]["bias"] is None and out.grads["scale"][1] is None
-  np.testing.assert_array_equal(np.asarray(out.grads["dense"]["kernel"]),
-                                np.ones((2, 3)))
+  np.testing.assert_array_equal(
+    np.asarray(out.grads["dense"]["kernel"]), np.ones((2, 3))
+  )
   # nnx.State in, nnx.State out.
   state = wa.init(PARAMS)
   assert isinstance(state.grads, nnx.State)
@@ -266,13 +290,20 @@ def test_trees_with_none_leaves_and_nnx_state(variant):
 
 
 def test_reading_counters_changes_nothing():
-  state = wa.accumulate_sum(wa.init({"w": jnp.zeros(2)}),
-                            {"w": jnp.ones(2)}, 5)
+  state = wa.accumulate_sum(wa.init({"w": jnp.zeros(2)}), {"w": jnp.ones(2)}, 5)
   before = jax.tree.map(np.asarray, state)
-  _ = (state.total_weight, state.issued, state.loss_scale, state.counters,
-       state.rejected, state.zero_weight, state.windows)
-  jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.asarray, state))
+  _ = (
+    state.total_weight,
+    state.issued,
+    state.loss_scale,
+    state.counters,
+    state.rejected,
+    state.zero_weight,
+    state.windows,
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal, before, jax.tree.map(np.asarray, state)
+  )
   state = wa.accumulate_sum(state, {"w": jnp.ones(2)}, 5)
   assert state.total_weight == 10.0
 

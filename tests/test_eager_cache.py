@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
 
 import weighted_accum as wa
-from weighted_accum import _accum, _validation_cache
+from weighted_accum import _accum
+from weighted_accum import _validation_cache
 
 PARAMS = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
 
@@ -36,8 +37,9 @@ def walks(monkeypatch):
   return calls
 
 
-@pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean],
-                         ids=["sum", "mean"])
+@pytest.mark.parametrize(
+  "fn", [wa.accumulate_sum, wa.accumulate_mean], ids=["sum", "mean"]
+)
 def test_repeated_signature_is_walked_once_and_results_are_exact(walks, fn):
   state = wa.init(PARAMS)
   for k in range(5):
@@ -46,19 +48,23 @@ def test_repeated_signature_is_walked_once_and_results_are_exact(walks, fn):
   # call's outputs, whose shardings are shared); then none.
   assert len(walks) == 2
   factor = 2.0 if fn is wa.accumulate_mean else 1.0
-  np.testing.assert_array_equal(np.asarray(state.grads["w"]),
-                                np.full((4, 3), factor * 15.0))
+  np.testing.assert_array_equal(
+    np.asarray(state.grads["w"]), np.full((4, 3), factor * 15.0)
+  )
   assert state.total_weight == 10.0 and int(state.issued) == 5
 
 
-@pytest.mark.parametrize("bad,match", [
+@pytest.mark.parametrize(
+  "bad,match",
+  [
     ({"w": jnp.ones((4, 2)), "b": jnp.ones(3)}, r"\['w'\].*shape"),
     ({"w": jnp.ones((4, 3), jnp.int32), "b": jnp.ones(3)}, r"\['w'\].*int32"),
     ({"w": jnp.ones((4, 3))}, r"\['b'\].*missing"),
-    ({"w": jnp.ones((4, 3)), "b": jnp.ones(3), "c": jnp.ones(1)},
-     r"\['c'\]"),
+    ({"w": jnp.ones((4, 3)), "b": jnp.ones(3), "c": jnp.ones(1)}, r"\['c'\]"),
     ({"w": jnp.ones((4, 3)), "b": np.ones(3, np.int64)}, r"\['b'\]"),
-], ids=["shape", "dtype", "missing", "extra", "numpy-int"])
+  ],
+  ids=["shape", "dtype", "missing", "extra", "numpy-int"],
+)
 def test_changed_input_after_a_cached_one_is_still_refused(walks, bad, match):
   state = wa.accumulate_sum(wa.init(PARAMS), _grads(), 1.0)
   state = wa.accumulate_sum(state, _grads(), 1.0)  # cached now
@@ -66,8 +72,10 @@ def test_changed_input_after_a_cached_one_is_still_refused(walks, bad, match):
   with pytest.raises(wa.WeightedAccumulationError, match=match):
     wa.accumulate_sum(state, bad, 1.0)
   # Refusing changed nothing, and a good call still works afterwards.
-  assert all(np.array_equal(a, np.asarray(b))
-             for a, b in zip(before, jax.tree.leaves(state)))
+  assert all(
+    np.array_equal(a, np.asarray(b))
+    for a, b in zip(before, jax.tree.leaves(state))
+  )
   state = wa.accumulate_sum(state, _grads(), 1.0)
   assert int(state.issued) == 3
 
@@ -99,9 +107,11 @@ def test_changed_placement_is_validated_and_moved(walks):
   np.testing.assert_array_equal(np.asarray(state.grads["w"]), 4.0)
 
 
-@pytest.mark.parametrize("leaf", [1.0, np.float32(1.0), np.ones((), np.float32),
-                                  jnp.asarray(1.0)],
-                         ids=["python", "numpy-scalar", "numpy", "weak"])
+@pytest.mark.parametrize(
+  "leaf",
+  [1.0, np.float32(1.0), np.ones((), np.float32), jnp.asarray(1.0)],
+  ids=["python", "numpy-scalar", "numpy", "weak"],
+)
 def test_non_jax_and_weak_typed_leaves_are_cached_too(walks, leaf):
   """Each kind of leaf has its own signature; a repeated one stops walking
   (after the buffers' placement objects settle, within two calls)."""

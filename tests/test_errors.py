@@ -3,16 +3,18 @@ where, and nothing lost."""
 
 from __future__ import annotations
 
-from jax.experimental import checkify
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import weighted_accum as wa
 
-PARAMS = {"enc": {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4)},
-          "head": jnp.zeros(2)}
+PARAMS = {
+  "enc": {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4)},
+  "head": jnp.zeros(2),
+}
 
 
 def _grads(value=1.0):
@@ -40,57 +42,75 @@ def test_error_is_a_value_error():
 def test_missing_leaf_is_named(variant, state, fn):
   grads = _grads()
   del grads["enc"]["bias"]
-  with pytest.raises(wa.WeightedAccumulationError, match=r"\['enc'\]\['bias'\].*missing"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"\['enc'\]\['bias'\].*missing"
+  ):
     variant(fn)(state, grads, 1.0)
 
 
 def test_extra_leaf_is_named(variant, state):
   grads = _grads()
   grads["enc"]["extra"] = jnp.ones(4)
-  with pytest.raises(wa.WeightedAccumulationError, match=r"unexpected leaf \['enc'\]\['extra'\]"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"unexpected leaf \['enc'\]\['extra'\]"
+  ):
     variant(wa.accumulate_mean)(state, grads, 1.0)
 
 
 def test_wrong_shape_is_named(variant, state):
   grads = _grads()
   grads["enc"]["kernel"] = jnp.ones((4, 3))
-  with pytest.raises(wa.WeightedAccumulationError,
-                     match=r"\['enc'\]\['kernel'\] has shape \(4, 3\), expected \(3, 4\)"):
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=r"\['enc'\]\['kernel'\] has shape \(4, 3\), expected \(3, 4\)",
+  ):
     variant(wa.accumulate_sum)(state, grads, 1.0)
 
 
 def test_non_float_grads_are_named(variant, state):
   grads = _grads()
   grads["head"] = jnp.ones(2, jnp.int32)
-  with pytest.raises(wa.WeightedAccumulationError, match=r"\['head'\] has dtype int32"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"\['head'\] has dtype int32"
+  ):
     variant(wa.accumulate_sum)(state, grads, 1.0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, "not-a-dtype", jnp.float64])
+@pytest.mark.parametrize(
+  "dtype", [jnp.int32, jnp.bool_, "not-a-dtype", jnp.float64]
+)
 def test_bad_work_dtype(dtype):
   with pytest.raises(wa.WeightedAccumulationError, match=r"init\(dtype=...\)"):
     wa.init(PARAMS, dtype=dtype)
 
 
 def test_integer_param_is_named():
-  with pytest.raises(wa.WeightedAccumulationError, match=r"\['step'\] has dtype int32"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"\['step'\] has dtype int32"
+  ):
     wa.init({"w": jnp.zeros(2), "step": jnp.zeros((), jnp.int32)})
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
 def test_bad_loss_scale(scale):
-  with pytest.raises(wa.WeightedAccumulationError, match=r"loss_scale.*finite positive"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"loss_scale.*finite positive"
+  ):
     wa.init(PARAMS, loss_scale=scale)
   st = wa.init(PARAMS)
   with pytest.raises(wa.WeightedAccumulationError, match="next_loss_scale"):
     wa.finish_sums(st, next_loss_scale=scale)
 
 
-@pytest.mark.parametrize("weight", [-1.0, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize(
+  "weight", [-1.0, float("nan"), float("inf"), -float("inf")]
+)
 @pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean])
 def test_bad_weight_eager_raises_and_state_untouched(state, fn, weight):
   before = _snapshot(state)
-  with pytest.raises(wa.WeightedAccumulationError, match=r"weight.*not a finite non-negative"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"weight.*not a finite non-negative"
+  ):
     fn(state, _grads(5.0), weight)
   with pytest.raises(wa.WeightedAccumulationError):
     fn(state, _grads(5.0), jnp.float32(weight))  # a concrete array too
@@ -107,8 +127,9 @@ def test_non_scalar_weight(state):
 def test_bad_weight_under_jit_rejects_whole_microbatch(state, fn, weight):
   before = _snapshot(state)
   new = jax.jit(fn)(state, _grads(5.0), weight)
-  jax.tree.map(np.testing.assert_array_equal, _snapshot(new.grads),
-               before.grads)
+  jax.tree.map(
+    np.testing.assert_array_equal, _snapshot(new.grads), before.grads
+  )
   assert new.total_weight == state.total_weight
   assert int(new.issued) == int(state.issued) + 1
   assert int(new.rejected) == int(state.rejected) + 1
@@ -121,8 +142,10 @@ def test_finish_mean_zero_weight_eager_raises_and_nothing_cleared():
   st = wa.init(PARAMS)
   st = wa.accumulate_mean(st, _grads(float("nan")), 0.0)
   before = _snapshot(st)
-  with pytest.raises(wa.WeightedAccumulationError,
-                     match=r"total weight is 0.0 after 1 microbatch.*Nothing was cleared"):
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=r"total weight is 0.0 after 1 microbatch.*Nothing was cleared",
+  ):
     wa.finish_mean(st)
   _assert_same(st, before)
   with pytest.raises(wa.WeightedAccumulationError, match="total weight"):
@@ -151,7 +174,9 @@ def test_checkify_turns_traced_faults_into_errors(state):
     return wa.accumulate_mean(state, grads, weight, checked=True)
 
   err, new = step(state, _grads(), -3.0)
-  with pytest.raises(checkify.JaxRuntimeError, match="weight -3.0 is not a finite"):
+  with pytest.raises(
+    checkify.JaxRuntimeError, match="weight -3.0 is not a finite"
+  ):
     err.throw()
   assert int(new.rejected) == 1
   err, new = step(state, _grads(), 2.0)
@@ -185,8 +210,9 @@ def test_traced_invalid_next_loss_scale_marks_next_window_unusable(state):
   assert not bool(out.valid)
   assert float(new.loss_scale) == 4.0
   with pytest.raises(wa.WeightedAccumulationError, match="loss scale is nan"):
-    wa.accumulate_sum(new.replace(loss_scale=jnp.float32(jnp.nan)), _grads(),
-                      1.0)
+    wa.accumulate_sum(
+      new.replace(loss_scale=jnp.float32(jnp.nan)), _grads(), 1.0
+    )
 
 
 @pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean])

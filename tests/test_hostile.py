@@ -56,20 +56,75 @@ G64 = {k: np.asarray(v, np.float64) for k, v in GRADS.items()}
 
 # ------------------------------------------------------------ the inputs --
 
-MAGNITUDES = [0.0, -0.0, 1e-45, 1e-40, 1e-38, 1.2e-38, 1e-30, 0.5, 1.0, 3.0,
-              2.0**24 - 1, 2.0**24 + 1, 2.0**31 - 1, 2.0**31, 2.0**33 + 5,
-              2.0**40, 2.0**48, 2.0**53, 1e38, 3.4028235e38, 1e39, 1e300,
-              math.inf, -math.inf, math.nan, -1.0, -2.0**31, -1e-40]
-NP_INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-           np.uint32, np.uint64]
+MAGNITUDES = [
+  0.0,
+  -0.0,
+  1e-45,
+  1e-40,
+  1e-38,
+  1.2e-38,
+  1e-30,
+  0.5,
+  1.0,
+  3.0,
+  2.0**24 - 1,
+  2.0**24 + 1,
+  2.0**31 - 1,
+  2.0**31,
+  2.0**33 + 5,
+  2.0**40,
+  2.0**48,
+  2.0**53,
+  1e38,
+  3.4028235e38,
+  1e39,
+  1e300,
+  math.inf,
+  -math.inf,
+  math.nan,
+  -1.0,
+  -(2.0**31),
+  -1e-40,
+]
+NP_INTS = [
+  np.int8,
+  np.int16,
+  np.int32,
+  np.int64,
+  np.uint8,
+  np.uint16,
+  np.uint32,
+  np.uint64,
+]
 NP_FLOATS = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-JNP_TYPES = [jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16,
-             jnp.uint32, jnp.bool_, jnp.float16, jnp.bfloat16, jnp.float32]
-KINDS = (["py_int", "py_float", "py_bool", "str", "none", "complex",
-          "list1", "arr1", "jarr1"]
-         + [("np", t) for t in NP_INTS + NP_FLOATS]
-         + [("arr0", t) for t in NP_INTS + NP_FLOATS]
-         + [("jnp", t) for t in JNP_TYPES])
+JNP_TYPES = [
+  jnp.int8,
+  jnp.int16,
+  jnp.int32,
+  jnp.uint8,
+  jnp.uint16,
+  jnp.uint32,
+  jnp.bool_,
+  jnp.float16,
+  jnp.bfloat16,
+  jnp.float32,
+]
+KINDS = (
+  [
+    "py_int",
+    "py_float",
+    "py_bool",
+    "str",
+    "none",
+    "complex",
+    "list1",
+    "arr1",
+    "jarr1",
+  ]
+  + [("np", t) for t in NP_INTS + NP_FLOATS]
+  + [("arr0", t) for t in NP_INTS + NP_FLOATS]
+  + [("jnp", t) for t in JNP_TYPES]
+)
 
 
 class Unmakeable(Exception):
@@ -107,7 +162,7 @@ def make(kind, mag):
     return [mag]
   if kind in ("arr1", "jarr1"):
     with warnings.catch_warnings():
-      warnings.simplefilter("ignore")   # 1e300 -> inf: the user's value
+      warnings.simplefilter("ignore")  # 1e300 -> inf: the user's value
       arr = np.array([mag], np.float32)
     return arr if kind == "arr1" else jnp.asarray(arr)
   family, dtype = kind
@@ -168,6 +223,7 @@ _SKIP = object()
 
 # ------------------------------------------------------------- the rules --
 
+
 def weight_ok(v) -> bool:
   """The documented rule for a weight's value (float32 tally)."""
   if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -189,6 +245,7 @@ def scale_ok(v) -> bool:
 
 # -------------------------------------------------------------- checking --
 
+
 def weight_close(got: float, ref) -> bool:
   """The float32 (hi, lo) tally holds an integer below 2**48 exactly and a
   float64 value to 2**-46 relative, or 2**-126 absolute (a residual below
@@ -196,6 +253,7 @@ def weight_close(got: float, ref) -> bool:
   if isinstance(ref, int):
     return got == ref
   return abs(got - ref) <= abs(ref) * 2.0**-46 + 2.0**-126
+
 
 def snapshot(tree):
   return jax.tree.map(lambda x: np.array(x, copy=True), tree)
@@ -216,7 +274,8 @@ def assert_invariants(s, added: int):
   """Zero total weight => zero buffers; every microbatch counted once."""
   if s.total_weight == 0:
     assert not any(nonzero_bits(b) for b in jax.tree.leaves(s.grads)), (
-        "zero total weight with non-zero buffers")
+      "zero total weight with non-zero buffers"
+    )
   assert int(s.issued) == int(s.zero_weight) + int(s.rejected) + added
   assert math.isfinite(s.total_weight) and s.total_weight >= 0
 
@@ -242,21 +301,25 @@ def expected_buffers(mean: bool, w: float):
   float64 and rounded once to float32 (an overflow is an honest inf, which
   finish reports as non-finite)."""
   with np.errstate(over="ignore"):
-    return {k: np.float32(G64[k] + (G64[k] * w if mean else G64[k]))
-            for k in G64}
+    return {
+      k: np.float32(G64[k] + (G64[k] * w if mean else G64[k])) for k in G64
+    }
 
 
 def check_accepted(new, w_ref, mean):
   """``new`` = BASE plus a microbatch of weight ``w_ref``, exactly."""
   total = 3 + w_ref
-  tol = 0 if isinstance(w_ref, int) or float(np.float32(w_ref)) == w_ref else (
-      total * 2.0**-46)
+  tol = (
+    0
+    if isinstance(w_ref, int) or float(np.float32(w_ref)) == w_ref
+    else (total * 2.0**-46)
+  )
   assert abs(new.total_weight - total) <= tol, (new.total_weight, total)
-  exp = (expected_buffers(mean, float(np.float32(w_ref))) if w_ref > 0
-         else G64)
+  exp = expected_buffers(mean, float(np.float32(w_ref))) if w_ref > 0 else G64
   for k in G64:
-    np.testing.assert_allclose(np.asarray(new.grads[k], np.float64), exp[k],
-                               rtol=2.0**-22, atol=1e-37)
+    np.testing.assert_allclose(
+      np.asarray(new.grads[k], np.float64), exp[k], rtol=2.0**-22, atol=1e-37
+    )
   added = 2 if w_ref > 0 else 1
   assert_invariants(new, added)
 
@@ -269,6 +332,7 @@ def check_rejected(new):
 
 
 # ------------------------------------------------------------------ weight --
+
 
 @settings(max_examples=150)
 @given(pair=inputs, mean=st.booleans())
@@ -301,8 +365,10 @@ def test_weight_under_jit_is_exact_or_rejected_and_counted(pair, mean):
   assert_same(BASE, BASE_SNAP)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16,
-                                   jnp.int32, jnp.uint32, jnp.int8])
+@pytest.mark.parametrize(
+  "dtype",
+  [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.uint32, jnp.int8],
+)
 def test_weight_under_vmap_each_lane_exact_or_rejected(dtype):
   values = [m for m in MAGNITUDES]
   objs, refs = [], []
@@ -322,12 +388,15 @@ def test_weight_under_vmap_each_lane_exact_or_rejected(dtype):
       check_rejected(lane)
 
 
-@pytest.mark.parametrize("obj,total", [
+@pytest.mark.parametrize(
+  "obj,total",
+  [
     (np.int64(2**33 + 5), 2**33 + 8),
     (np.uint64(2**40), 2**40 + 3),
     (2**40 + 1, 2**40 + 4),
     (np.uint32(2**32 - 1), 2**32 + 2),
-])
+  ],
+)
 def test_wide_integer_weights_do_not_wrap(obj, total):
   """Issue examples: counted exactly (the float32 tally holds 48 bits)."""
   new = wa.accumulate_sum(BASE, GRADS, obj)
@@ -359,8 +428,9 @@ def test_total_weight_overflow_is_refused_or_rejected():
   out, _ = J_FINISH_MEAN(new)
   assert bool(out.valid) and float(out.weight) == float(np.float32(3e38))
   # G / 3e38 is below float32's normal range (flushed to zero on XLA:CPU).
-  np.testing.assert_allclose(np.asarray(out.grads["w"]), G64["w"] / 3e38,
-                             atol=2e-38)
+  np.testing.assert_allclose(
+    np.asarray(out.grads["w"]), G64["w"] / 3e38, atol=2e-38
+  )
 
 
 def test_weight_on_another_device_does_not_crash():
@@ -375,6 +445,7 @@ def test_weight_on_another_device_does_not_crash():
 
 
 # -------------------------------------------------------------- loss scale --
+
 
 @settings(max_examples=120)
 @given(pair=inputs)
@@ -411,12 +482,11 @@ def test_init_loss_scale_under_jit_never_flips_or_reports_valid(pair):
   if stored is not None:
     assert float(s.loss_scale) == stored
     assert int(s.rejected) == 0
-    if 1e-30 <= stored <= 1e30:   # the scaled grads neither under- nor overflow
+    if 1e-30 <= stored <= 1e30:  # the scaled grads neither under- nor overflow
       assert bool(out.valid)
       for k in G64:
-        np.testing.assert_allclose(np.asarray(out.grads[k]), G64[k],
-                                   rtol=1e-5)
-    elif stored > 1e38:           # 4 * 2 * scale overflows: reported
+        np.testing.assert_allclose(np.asarray(out.grads[k]), G64[k], rtol=1e-5)
+    elif stored > 1e38:  # 4 * 2 * scale overflows: reported
       assert not bool(out.finite) and not bool(out.valid)
   else:
     assert np.isnan(float(s.loss_scale))
@@ -438,19 +508,21 @@ def test_traced_negative_loss_scale_never_flips_the_sign():
 
 
 @settings(max_examples=100)
-@given(pair=inputs, which=st.sampled_from(["sums", "mean"]),
-       jit=st.booleans())
+@given(pair=inputs, which=st.sampled_from(["sums", "mean"]), jit=st.booleans())
 def test_next_loss_scale_is_stored_exactly_refused_or_marked(pair, which, jit):
   obj = drawn(pair)
   if obj is _SKIP or (jit and not traceable(obj)):
     return
   ref = reference(obj)
-  if obj is None:   # None: the next window keeps the current scale
+  if obj is None:  # None: the next window keeps the current scale
     assert float(wa.finish_sums(BASE, next_loss_scale=None)[1].loss_scale) == 1
     return
-  fn = {("sums", False): wa.finish_sums, ("mean", False): wa.finish_mean,
-        ("sums", True): J_FINISH_SUMS, ("mean", True): J_FINISH_MEAN}[
-            which, jit]
+  fn = {
+    ("sums", False): wa.finish_sums,
+    ("mean", False): wa.finish_mean,
+    ("sums", True): J_FINISH_SUMS,
+    ("mean", True): J_FINISH_MEAN,
+  }[which, jit]
   if not jit and not scale_ok(ref):
     with pytest.raises(Error, match=rf"finish_{which}\(next_loss_scale=...\)"):
       fn(BASE, next_loss_scale=obj)
@@ -474,8 +546,7 @@ def test_float16_mean_overflow_is_not_reported_as_nonfinite():
   """Pending sums finite, the mean overflows float16: finite=True (no
   back-off), valid=False (not applicable)."""
   s = wa.init({"w": jnp.zeros(2)}, dtype=jnp.float16, loss_scale=1.0)
-  s = wa.accumulate_sum(s, {"w": jnp.array([60000.0, 1.0], jnp.float16)},
-                        0.5)
+  s = wa.accumulate_sum(s, {"w": jnp.array([60000.0, 1.0], jnp.float16)}, 0.5)
   out, _ = wa.finish_mean(s)
   assert bool(out.finite) and not bool(out.valid)
   s = wa.accumulate_sum(s, {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}, 1)
@@ -499,8 +570,9 @@ def count_ok(obj, ref) -> bool:
 
 
 @settings(max_examples=120)
-@given(pair=inputs, name=st.sampled_from(COUNTS + ["total_weight",
-                                                  "loss_scale"]))
+@given(
+  pair=inputs, name=st.sampled_from(COUNTS + ["total_weight", "loss_scale"])
+)
 def test_from_buffers_counters_stored_exactly_or_refused(pair, name):
   obj = drawn(pair)
   if obj is _SKIP:
@@ -534,16 +606,20 @@ def test_from_buffers_counters_stored_exactly_or_refused(pair, name):
     assert float(s.loss_scale) == float(np.float32(ref))
 
 
-@pytest.mark.parametrize("counters,needle", [
+@pytest.mark.parametrize(
+  "counters,needle",
+  [
     ({"issued": 1, "weight_hi": 1e39}, "weight_hi"),
     ({"issued": 1, "total_weight": 1e39}, "total_weight"),
     ({"loss_scale": 1e39}, "loss_scale"),
     ({"loss_scale": 1e-46}, "loss_scale"),
     ({"issued": np.int64(2**33)}, "issued"),
     ({"issued": 1, "weight_hi": 3.0, "weight_lo": 1e-40}, "weight_lo"),
-])
-def test_from_buffers_refuses_counters_it_would_store_otherwise(counters,
-                                                                needle):
+  ],
+)
+def test_from_buffers_refuses_counters_it_would_store_otherwise(
+  counters, needle
+):
   buffers = jax.tree.map(np.zeros_like, snapshot(PARAMS))
   with pytest.raises(Error, match=needle):
     wa.from_buffers(PARAMS, buffers, counters)
@@ -551,17 +627,31 @@ def test_from_buffers_refuses_counters_it_would_store_otherwise(counters,
 
 # --------------------------------------------------------- dtype and flags --
 
-@pytest.mark.parametrize("dtype,ok", [
-    (jnp.float32, True), (jnp.bfloat16, True), (jnp.float16, True),
-    ("float32", True), (np.dtype("float16"), True), (jnp.float64, False),
-    (jnp.int32, False), (jnp.bool_, False), ("garbage", False),
-    (None, False), (object(), False), (3, False),
-    (jnp.float8_e4m3fn, False), (jnp.complex64, False),
-])
+
+@pytest.mark.parametrize(
+  "dtype,ok",
+  [
+    (jnp.float32, True),
+    (jnp.bfloat16, True),
+    (jnp.float16, True),
+    ("float32", True),
+    (np.dtype("float16"), True),
+    (jnp.float64, False),
+    (jnp.int32, False),
+    (jnp.bool_, False),
+    ("garbage", False),
+    (None, False),
+    (object(), False),
+    (3, False),
+    (jnp.float8_e4m3fn, False),
+    (jnp.complex64, False),
+  ],
+)
 def test_work_dtype_accepted_or_named(dtype, ok):
-  for build in (lambda d: wa.init(PARAMS, dtype=d),
-                lambda d: wa.weighted_multi_steps(optax.sgd(1.0), 2,
-                                                  dtype=d)):
+  for build in (
+    lambda d: wa.init(PARAMS, dtype=d),
+    lambda d: wa.weighted_multi_steps(optax.sgd(1.0), 2, dtype=d),
+  ):
     if ok:
       build(dtype)
     else:
@@ -577,11 +667,22 @@ def test_static_flags_refuse_non_bools(flag):
     wa.finish_mean(BASE, checked=flag)
 
 
-@pytest.mark.parametrize("every_k,ok", [
-    (1, True), (np.int64(3), True), (2**31 - 1, True), (2**31, False),
-    (2**40, False), (0, False), (-1, False), (1.5, False), (True, False),
-    ("2", False), (jnp.int32(2), False),
-])
+@pytest.mark.parametrize(
+  "every_k,ok",
+  [
+    (1, True),
+    (np.int64(3), True),
+    (2**31 - 1, True),
+    (2**31, False),
+    (2**40, False),
+    (0, False),
+    (-1, False),
+    (1.5, False),
+    (True, False),
+    ("2", False),
+    (jnp.int32(2), False),
+  ],
+)
 def test_every_k_accepted_or_named(every_k, ok):
   if ok:
     tx = wa.weighted_multi_steps(optax.sgd(1.0), every_k)
@@ -610,8 +711,9 @@ def test_wrapper_update_weight_exact_or_refused_or_rejected(pair, jit):
     with pytest.raises(Error, match=r"weight"):
       TX.update(GRADS, TX_STATE, PARAMS, weight=obj)
     return
-  update = J_TX_UPDATE if jit else (
-      lambda g, s, p, w: TX.update(g, s, p, weight=w))
+  update = (
+    J_TX_UPDATE if jit else (lambda g, s, p, w: TX.update(g, s, p, weight=w))
+  )
   _, s = update(GRADS, TX_STATE, PARAMS, obj)
   c = wa.window_counters(s)
   if weight_ok(ref):
@@ -626,8 +728,9 @@ def test_wrapper_update_weight_exact_or_refused_or_rejected(pair, jit):
   applied = not weight_ok(ref) or ref <= 1e30
   assert bool(wa.has_updated(s)) == applied
   for k in G64:
-    np.testing.assert_allclose(np.asarray(upd[k]),
-                               -G64[k] if applied else 0 * G64[k], rtol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(upd[k]), -G64[k] if applied else 0 * G64[k], rtol=1e-5
+    )
 
 
 @settings(max_examples=40)
@@ -650,38 +753,56 @@ def test_wrapper_constructor_loss_scale_stored_or_refused(pair):
 
 N = jax.device_count()
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-W_VALUES = [0.0, 1e-45, 1e-40, 1e-30, 0.5, 1.0, 3.0, 2.0**24 + 1, 1e37,
-            math.inf, math.nan, -1.0]
+W_VALUES = [
+  0.0,
+  1e-45,
+  1e-40,
+  1e-30,
+  0.5,
+  1.0,
+  3.0,
+  2.0**24 + 1,
+  1e37,
+  math.inf,
+  math.nan,
+  -1.0,
+]
 
 
 def _dp_step(reduce):
   def step(p, w):
     w = w[0]
-    s = (dist.init(p, "data") if reduce == "window" else wa.init(p))
+    s = dist.init(p, "data") if reduce == "window" else wa.init(p)
     loss = lambda p: jnp.sum(p["w"] * GRADS["w"]) + jnp.sum(p["b"] * GRADS["b"])
-    g = dist.local_grad(loss, "data")(p)   # = GRADS on every replica
+    g = dist.local_grad(loss, "data")(p)  # = GRADS on every replica
     s = dist.accumulate_sum(s, g, w, "data", reduce=reduce)
     s = dist.accumulate_sum(s, g, jnp.float32(1.0), "data", reduce=reduce)
     out, _ = dist.finish_mean(s, "data", reduce=reduce)
     rej = jax.lax.psum(s.rejected, "data")
     return out.grads, out.weight, out.valid, rej
 
-  return jax.jit(jax.shard_map(step, mesh=MESH, in_specs=(P(), P("data")),
-                               out_specs=(P(), P(), P(), P())))
+  return jax.jit(
+    jax.shard_map(
+      step, mesh=MESH, in_specs=(P(), P("data")), out_specs=(P(), P(), P(), P())
+    )
+  )
 
 
 DP = {r: _dp_step(r) for r in ("window", "microbatch")}
 
 
 @settings(max_examples=25)
-@given(ws=st.lists(st.sampled_from(W_VALUES), min_size=N, max_size=N),
-       reduce=st.sampled_from(["window", "microbatch"]))
+@given(
+  ws=st.lists(st.sampled_from(W_VALUES), min_size=N, max_size=N),
+  reduce=st.sampled_from(["window", "microbatch"]),
+)
 def test_distributed_weights_exact_or_rejected_everywhere(ws, reduce):
-  grads, weight, valid, rejected = DP[reduce](PARAMS, jnp.asarray(ws,
-                                                                  jnp.float32))
+  grads, weight, valid, rejected = DP[reduce](
+    PARAMS, jnp.asarray(ws, jnp.float32)
+  )
   good = [weight_ok(float(np.float32(w))) for w in ws]
   if reduce == "microbatch" and not all(good):
-    kept = [0.0] * N        # any replica's invalid weight rejects it on all
+    kept = [0.0] * N  # any replica's invalid weight rejects it on all
     assert int(rejected) == N
   else:
     kept = [float(np.float32(w)) if ok else 0.0 for w, ok in zip(ws, good)]
@@ -693,8 +814,9 @@ def test_distributed_weights_exact_or_rejected_everywhere(ws, reduce):
   assert float(weight) == pytest.approx(total, rel=N * 2.0**-24)
   assert bool(valid)
   for k in G64:
-    np.testing.assert_allclose(np.asarray(grads[k]), G64[k] * n_sum / total,
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(grads[k]), G64[k] * n_sum / total, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("reduce", ["window", "microbatch"])
@@ -702,7 +824,8 @@ def test_distributed_global_weight_overflow_is_never_valid(reduce):
   """Each replica's 3e38 fits float32, their sum does not: never valid=True
   with the zero grads a division by inf would give."""
   grads, weight, valid, rejected = DP[reduce](
-      PARAMS, jnp.full(N, 3e38, jnp.float32))
+    PARAMS, jnp.full(N, 3e38, jnp.float32)
+  )
   if reduce == "window":
     assert not bool(valid)
   else:
@@ -715,35 +838,46 @@ def test_distributed_global_weight_overflow_is_never_valid(reduce):
 
 def test_distributed_axis_name_refused_or_named():
   for bad in [None, 3, "", ("data", "data"), []]:
+
     def f(p, bad=bad):
       return dist.init(p, bad).grads
+
     with pytest.raises(Error, match="axis_name"):
-      jax.eval_shape(jax.shard_map(f, mesh=MESH, in_specs=P(),
-                                   out_specs=P()), PARAMS)
+      jax.eval_shape(
+        jax.shard_map(f, mesh=MESH, in_specs=P(), out_specs=P()), PARAMS
+      )
 
 
 # ---------------------------------------------------- shardings and device --
 
+
 def test_init_and_from_buffers_from_sharded_shape_dtype_structs():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),
-                           ("data", "model"))
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()).reshape(4, 2), ("data", "model")
+  )
   specs = {"w": P("data", "model"), "b": P("model")}
-  abstract = {k: jax.ShapeDtypeStruct(s, jnp.float32,
-                                      sharding=NamedSharding(mesh, specs[k]))
-              for k, s in {"w": (8, 4), "b": (6,)}.items()}
+  abstract = {
+    k: jax.ShapeDtypeStruct(
+      s, jnp.float32, sharding=NamedSharding(mesh, specs[k])
+    )
+    for k, s in {"w": (8, 4), "b": (6,)}.items()
+  }
   s = wa.init(abstract)
   for k in abstract:
-    assert s.grads[k].sharding.is_equivalent_to(abstract[k].sharding, 1 +
-                                                (k == "w"))
+    assert s.grads[k].sharding.is_equivalent_to(
+      abstract[k].sharding, 1 + (k == "w")
+    )
   buffers = {"w": np.ones((8, 4), np.float32), "b": np.ones(6, np.float32)}
   r = wa.from_buffers(abstract, buffers, {"issued": 1, "total_weight": 2})
   for k in abstract:
-    assert r.grads[k].sharding.is_equivalent_to(abstract[k].sharding,
-                                                buffers[k].ndim)
+    assert r.grads[k].sharding.is_equivalent_to(
+      abstract[k].sharding, buffers[k].ndim
+    )
   assert r.total_weight == 2
 
 
 # -------------------------------------------------------------- checkpoint --
+
 
 def _save(tree):
   path = tempfile.mkdtemp() + "/accum"
@@ -766,11 +900,16 @@ def test_checkpoint_slash_keys_do_not_collide():
   assert out["a"]["b"].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("bad", ["garbage", 7, "int32", "float64", "float8_e4m3fn"])
+@pytest.mark.parametrize(
+  "bad", ["garbage", 7, "int32", "float64", "float8_e4m3fn"]
+)
 def test_checkpoint_corrupt_dtype_option_is_named(bad):
   path = _save(BASE)
-  meta_file = next(p for p in __import__("pathlib").Path(path).iterdir()
-                   if p.name == "_METADATA")
+  meta_file = next(
+    p
+    for p in __import__("pathlib").Path(path).iterdir()
+    if p.name == "_METADATA"
+  )
   meta = json.loads(meta_file.read_text())
   meta["custom_metadata"]["weighted_accum"]["states"][""]["dtype"] = bad
   meta_file.write_text(json.dumps(meta))
@@ -797,6 +936,7 @@ def test_checkpoint_nnx_optimizer_opt_state_round_trip():
 
 # ----------------------------------------------------------------- float64 --
 
+
 def test_float64_work_dtype_keeps_float64_weights():
   """With x64 and a float64 work dtype the tally, the loss scale and the
   weight multiplying a mean's grads are float64: fractional float64 weights
@@ -811,12 +951,14 @@ def test_float64_work_dtype_keeps_float64_weights():
       assert s.weight_hi.dtype == jnp.float64
       assert s.loss_scale.dtype == jnp.float64
       for g, w in zip(grads, weights):
-        s = acc(s, {"w": jnp.asarray(g * 0.1)},
-                jnp.float64(w) if jit else w)
+        s = acc(s, {"w": jnp.asarray(g * 0.1)}, jnp.float64(w) if jit else w)
       assert abs(s.total_weight - math.fsum(weights)) <= 1e-16
       out, _ = (J_FINISH_MEAN if jit else wa.finish_mean)(s)
-      ref = sum(g * 0.1 * w for g, w in zip(grads, weights)) / 0.1 / (
-          math.fsum(weights))
+      ref = (
+        sum(g * 0.1 * w for g, w in zip(grads, weights))
+        / 0.1
+        / (math.fsum(weights))
+      )
       assert out.grads["w"].dtype == jnp.float64
       np.testing.assert_allclose(np.asarray(out.grads["w"]), ref, rtol=1e-14)
       assert bool(out.valid)
@@ -825,17 +967,29 @@ def test_float64_work_dtype_keeps_float64_weights():
 def test_docs_inputs_example_runs(capsys):
   import pathlib  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
+
   page = (pathlib.Path(__file__).parents[1] / "docs" / "inputs.md").read_text()
   code = re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1)
   exec(compile(code, "docs/inputs.md", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.splitlines() == [
-      "refused: accumulate_sum(weight)", "1 True"]
+    "refused: accumulate_sum(weight)",
+    "1 True",
+  ]
 
 
-@pytest.mark.parametrize("finish,ok", [
-    (None, True), (True, True), (np.bool_(True), True), (jnp.array(True), True),
-    ("yes", False), (1, False), (np.ones(2, bool), False), (0.0, False),
-])
+@pytest.mark.parametrize(
+  "finish,ok",
+  [
+    (None, True),
+    (True, True),
+    (np.bool_(True), True),
+    (jnp.array(True), True),
+    ("yes", False),
+    (1, False),
+    (np.ones(2, bool), False),
+    (0.0, False),
+  ],
+)
 def test_wrapper_finish_flag_accepted_or_named(finish, ok):
   if ok:
     _, s = TX.update(GRADS, TX_STATE, PARAMS, weight=1, finish=finish)
@@ -845,15 +999,24 @@ def test_wrapper_finish_flag_accepted_or_named(finish, ok):
       TX.update(GRADS, TX_STATE, PARAMS, weight=1, finish=finish)
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("loss_scale", 0.0, "loss_scale"), ("loss_scale", -2.0, "loss_scale"),
-    ("loss_scale", np.nan, "loss_scale"), ("loss_scale", 1e-40, "loss_scale"),
-    ("loss_scale", np.inf, "loss_scale"), ("issued", -1, "issued"),
-    ("rejected", 7, "exceed 'issued'"), ("weight_hi", -3.0, "total_weight"),
-    ("weight_hi", np.inf, "total_weight"), ("weight_lo", 1e-40, "weight_lo"),
-])
-def test_checkpoint_restore_refuses_corrupt_counters_by_name(field, value,
-                                                             needle):
+@pytest.mark.parametrize(
+  "field,value,needle",
+  [
+    ("loss_scale", 0.0, "loss_scale"),
+    ("loss_scale", -2.0, "loss_scale"),
+    ("loss_scale", np.nan, "loss_scale"),
+    ("loss_scale", 1e-40, "loss_scale"),
+    ("loss_scale", np.inf, "loss_scale"),
+    ("issued", -1, "issued"),
+    ("rejected", 7, "exceed 'issued'"),
+    ("weight_hi", -3.0, "total_weight"),
+    ("weight_hi", np.inf, "total_weight"),
+    ("weight_lo", 1e-40, "weight_lo"),
+  ],
+)
+def test_checkpoint_restore_refuses_corrupt_counters_by_name(
+  field, value, needle
+):
   """A saved counter that could not have been stored by the library (as the
   restore would store it) is refused, naming it; the template is untouched."""
   dtype = np.int32 if field in COUNTS else np.float32
@@ -867,8 +1030,9 @@ def test_checkpoint_restore_refuses_corrupt_counters_by_name(field, value,
 
 
 @pytest.mark.parametrize("reduce", ["window", "microbatch"])
-@pytest.mark.parametrize("scale,ok", [(4.0, True), (1e39, False),
-                                      (1e-46, False), (-1.0, False)])
+@pytest.mark.parametrize(
+  "scale,ok", [(4.0, True), (1e39, False), (1e-46, False), (-1.0, False)]
+)
 def test_distributed_next_loss_scale_named_or_stored(reduce, scale, ok):
   def step(p, x):
     s = dist.init(p, "data") if reduce == "window" else wa.init(p)
@@ -876,11 +1040,13 @@ def test_distributed_next_loss_scale_named_or_stored(reduce, scale, ok):
     _, s = dist.finish_mean(s, "data", reduce=reduce, next_loss_scale=scale)
     return s.loss_scale
 
-  f = jax.shard_map(step, mesh=MESH, in_specs=(P(), P("data")),
-                    out_specs=P())
+  f = jax.shard_map(step, mesh=MESH, in_specs=(P(), P("data")), out_specs=P())
   if ok:
     assert float(jax.jit(f)(PARAMS, jnp.ones(N))) == scale
   else:
-    with pytest.raises(Error, match=r"distributed.finish_mean\("
-                       r"next_loss_scale=...\)"):
+    with pytest.raises(
+      Error,
+      match=r"distributed.finish_mean\("
+      r"next_loss_scale=...\)",
+    ):
       jax.eval_shape(f, PARAMS, jnp.ones(N))

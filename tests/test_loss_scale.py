@@ -37,10 +37,16 @@ PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(2)}
 # The reference: GradScaler's rule, one update per window -------------------
 
 
-def gradscaler_update(scale: float, tracker: int, finite: bool, *,
-                      growth_factor: float, backoff_factor: float,
-                      growth_interval: int, min_scale: float
-                      ) -> tuple[float, int]:
+def gradscaler_update(
+  scale: float,
+  tracker: int,
+  finite: bool,
+  *,
+  growth_factor: float,
+  backoff_factor: float,
+  growth_interval: int,
+  min_scale: float,
+) -> tuple[float, int]:
   """PyTorch's ``_amp_update_scale_`` kernel in Python floats (the scale is a
   float32 tensor, the factors doubles), plus the ``min_scale`` floor."""
   with np.errstate(over="ignore"):
@@ -62,8 +68,9 @@ def reference_run(scale, flags, **config) -> list[tuple[float, int]]:
 
 
 def _trajectory(scaler, flags, jit):
-  adjust = jax.jit(lambda s, f: s.adjust(f)) if jit else (
-      lambda s, f: s.adjust(f))
+  adjust = (
+    jax.jit(lambda s, f: s.adjust(f)) if jit else (lambda s, f: s.adjust(f))
+  )
   out = []
   for f in flags:
     scaler = adjust(scaler, f if jit else bool(f))
@@ -71,22 +78,28 @@ def _trajectory(scaler, flags, jit):
   return out
 
 
-CONFIGS = st.fixed_dictionaries(dict(
+CONFIGS = st.fixed_dictionaries(
+  dict(
     growth_factor=st.sampled_from([2.0, 1.5, 4.0, 1.25]),
     backoff_factor=st.sampled_from([0.5, 0.25, 0.75, 0.125]),
     growth_interval=st.integers(1, 5),
     min_scale=st.sampled_from([1.0, 0.5, 2.0**-10, 1024.0]),
-))
+  )
+)
 
 
-@given(config=CONFIGS, scale_exp=st.integers(-10, 127),
-       flags=st.lists(st.booleans(), min_size=1, max_size=40),
-       jit=st.booleans())
+@given(
+  config=CONFIGS,
+  scale_exp=st.integers(-10, 127),
+  flags=st.lists(st.booleans(), min_size=1, max_size=40),
+  jit=st.booleans(),
+)
 def test_rule_matches_gradscaler_reference(config, scale_exp, flags, jit):
   scale = max(2.0**scale_exp, config["min_scale"])
   scaler = wa.DynamicLossScale(scale, **config)
-  assert _trajectory(scaler, flags, jit) == reference_run(scale, flags,
-                                                          **config)
+  assert _trajectory(scaler, flags, jit) == reference_run(
+    scale, flags, **config
+  )
 
 
 def test_scripted_windows_defaults_window_by_window(variant):
@@ -98,19 +111,41 @@ def test_scripted_windows_defaults_window_by_window(variant):
   for f in flags:
     scaler = adjust(scaler, jnp.bool_(f))
     got.append((float(scaler.scale), int(scaler.growth_tracker)))
-  assert got == [(4.0, 0), (4.0, 1), (4.0, 2), (8.0, 0), (4.0, 0), (2.0, 0),
-                 (2.0, 0), (2.0, 1), (2.0, 2), (4.0, 0)]
-  assert got == reference_run(8.0, flags, growth_factor=2.0,
-                              backoff_factor=0.5, growth_interval=3,
-                              min_scale=2.0)
+  assert got == [
+    (4.0, 0),
+    (4.0, 1),
+    (4.0, 2),
+    (8.0, 0),
+    (4.0, 0),
+    (2.0, 0),
+    (2.0, 0),
+    (2.0, 1),
+    (2.0, 2),
+    (4.0, 0),
+  ]
+  assert got == reference_run(
+    8.0,
+    flags,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=3,
+    min_scale=2.0,
+  )
 
 
 def test_gradscaler_default_interval_2000():
   scaler = wa.DynamicLossScale(2.0**16)
-  assert (scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval,
-          scaler.min_scale) == (2.0, 0.5, 2000, 1.0)
-  step = jax.jit(lambda s: jax.lax.fori_loop(
-      0, 1999, lambda i, s: s.adjust(jnp.bool_(True)), s))
+  assert (
+    scaler.growth_factor,
+    scaler.backoff_factor,
+    scaler.growth_interval,
+    scaler.min_scale,
+  ) == (2.0, 0.5, 2000, 1.0)
+  step = jax.jit(
+    lambda s: jax.lax.fori_loop(
+      0, 1999, lambda i, s: s.adjust(jnp.bool_(True)), s
+    )
+  )
   scaler = step(scaler)
   assert (float(scaler.scale), int(scaler.growth_tracker)) == (2.0**16, 1999)
   scaler = scaler.adjust(True)
@@ -135,10 +170,16 @@ def test_scan_over_windows_matches_reference():
     return s, (s.scale, s.growth_tracker)
 
   _, (scales, trackers) = jax.jit(lambda s, fs: jax.lax.scan(body, s, fs))(
-      scaler, jnp.asarray(flags))
-  ref = reference_run(2.0**15, flags.tolist(), growth_factor=2.0,
-                      backoff_factor=0.5, growth_interval=4,
-                      min_scale=2.0**13)
+    scaler, jnp.asarray(flags)
+  )
+  ref = reference_run(
+    2.0**15,
+    flags.tolist(),
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=4,
+    min_scale=2.0**13,
+  )
   assert list(zip(scales.tolist(), trackers.tolist())) == ref
 
 
@@ -149,9 +190,10 @@ def test_is_an_immutable_pytree_with_two_leaves():
   scaler = wa.DynamicLossScale(2.0**16, growth_interval=7)
   leaves, treedef = jax.tree.flatten(scaler)
   assert [np.asarray(x).dtype for x in leaves] == [np.float32, np.int32]
-  assert [jax.tree_util.keystr(p) for p, _ in
-          jax.tree_util.tree_flatten_with_path(scaler)[0]] == [
-              ".scale", ".growth_tracker"]
+  assert [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(scaler)[0]
+  ] == [".scale", ".growth_tracker"]
   again = jax.tree.unflatten(treedef, leaves)
   assert again.growth_interval == 7 and float(again.scale) == 2.0**16
   with pytest.raises(AttributeError):
@@ -172,7 +214,7 @@ def test_jit_with_donation_and_one_trace():
   for f in [True, False, True, True]:
     scaler = step(scaler, jnp.bool_(f))
   assert (float(scaler.scale), int(scaler.growth_tracker)) == (2.0**16, 0)
-  assert len(traces) == 1   # new values of the leaves never retrace
+  assert len(traces) == 1  # new values of the leaves never retrace
 
 
 def test_replace_is_validated():
@@ -187,17 +229,19 @@ def test_replace_is_validated():
 # Validation -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, needle", [
+@pytest.mark.parametrize(
+  "kwargs, needle",
+  [
     (dict(scale=0.0), "scale"),
     (dict(scale=-1.0), "scale"),
     (dict(scale=float("inf")), "scale"),
     (dict(scale=float("nan")), "scale"),
-    (dict(scale=1e39), "scale"),            # beyond float32
-    (dict(scale=1e-46), "scale"),           # rounds to 0 in float32
+    (dict(scale=1e39), "scale"),  # beyond float32
+    (dict(scale=1e-46), "scale"),  # rounds to 0 in float32
     (dict(scale=np.ones(2)), "scale"),
     (dict(scale=True), "scale"),
     (dict(scale="65536"), "scale"),
-    (dict(scale=0.5), "min_scale"),         # below the default min_scale 1
+    (dict(scale=0.5), "min_scale"),  # below the default min_scale 1
     (dict(scale=4.0, min_scale=8.0), "min_scale"),
     (dict(growth_factor=1.0), "growth_factor"),
     (dict(growth_factor=0.5), "growth_factor"),
@@ -219,7 +263,8 @@ def test_replace_is_validated():
     (dict(growth_tracker=-1), "growth_tracker"),
     (dict(growth_tracker=2000), "growth_tracker"),
     (dict(growth_tracker=1.5), "growth_tracker"),
-])
+  ],
+)
 def test_constructor_names_the_invalid_argument(kwargs, needle):
   kwargs = dict(kwargs)
   scale = kwargs.pop("scale", 2.0**16)
@@ -228,16 +273,22 @@ def test_constructor_names_the_invalid_argument(kwargs, needle):
   assert isinstance(e.value, ValueError)
 
 
-@given(scale=st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
-    [1e-38, 1.2e-38, 1e-45, 3.4e38, 3.5e38, 0.5, 1.0, -0.0]),
-       min_scale=st.sampled_from([1.0, 2.0**-126, 1e-30, 4.0]))
+@given(
+  scale=st.floats(allow_nan=True, allow_infinity=True)
+  | st.sampled_from([1e-38, 1.2e-38, 1e-45, 3.4e38, 3.5e38, 0.5, 1.0, -0.0]),
+  min_scale=st.sampled_from([1.0, 2.0**-126, 1e-30, 4.0]),
+)
 def test_constructor_scale_is_accepted_iff_a_float32_number_above_the_floor(
-    scale, min_scale):
+  scale, min_scale
+):
   """Independent reference: NumPy's float32 rounding and finfo."""
   with np.errstate(over="ignore"):
     stored = np.float32(scale) if np.isfinite(scale) else np.float32(np.nan)
-  ok = bool(np.isfinite(stored) and stored >= np.finfo(np.float32).tiny
-            and stored >= np.float32(min_scale))
+  ok = bool(
+    np.isfinite(stored)
+    and stored >= np.finfo(np.float32).tiny
+    and stored >= np.float32(min_scale)
+  )
   if ok:
     s = wa.DynamicLossScale(scale, min_scale=min_scale)
     assert np.asarray(s.scale).tobytes() == stored.tobytes()
@@ -251,34 +302,48 @@ def test_pickles_and_evaluates_abstractly():
   s = wa.DynamicLossScale(2.0**16, growth_interval=5).adjust(True)
   t = pickle.loads(pickle.dumps(s))
   assert (float(t.scale), int(t.growth_tracker), t.growth_interval) == (
-      2.0**16, 1, 5)
+    2.0**16,
+    1,
+    5,
+  )
   shapes = jax.eval_shape(lambda: wa.DynamicLossScale(8.0).adjust(True))
-  assert (shapes.scale.dtype, shapes.growth_tracker.dtype) == (jnp.float32,
-                                                              jnp.int32)
+  assert (shapes.scale.dtype, shapes.growth_tracker.dtype) == (
+    jnp.float32,
+    jnp.int32,
+  )
 
 
 def test_constructor_accepts_numpy_and_jax_scalars():
-  s = wa.DynamicLossScale(np.float32(1024), growth_factor=np.float64(2),
-                          growth_interval=np.int64(10),
-                          growth_tracker=jnp.int32(3))
+  s = wa.DynamicLossScale(
+    np.float32(1024),
+    growth_factor=np.float64(2),
+    growth_interval=np.int64(10),
+    growth_tracker=jnp.int32(3),
+  )
   assert (float(s.scale), int(s.growth_tracker), s.growth_interval) == (
-      1024.0, 3, 10)
+    1024.0,
+    3,
+    10,
+  )
   assert type(s.growth_interval) is int and type(s.growth_factor) is float
   # A factor is used in float32, as the scale's arithmetic does.
   assert wa.DynamicLossScale(4.0, growth_factor=1.1).growth_factor == float(
-      np.float32(1.1))
+    np.float32(1.1)
+  )
 
 
 def test_constructor_under_jit_checks_only_shape_and_type():
-  make = jax.jit(lambda x: wa.DynamicLossScale(x, growth_interval=3).adjust(
-      jnp.bool_(False)))
+  make = jax.jit(
+    lambda x: wa.DynamicLossScale(x, growth_interval=3).adjust(jnp.bool_(False))
+  )
   assert float(make(jnp.float32(8.0)).scale) == 4.0
   with pytest.raises(wa.WeightedAccumulationError, match="scale"):
     jax.jit(lambda x: wa.DynamicLossScale(x))(jnp.ones(2))
 
 
-@pytest.mark.parametrize("finite", [1, 1.0, np.array([True, False]),
-                                    jnp.ones(3, bool), None])
+@pytest.mark.parametrize(
+  "finite", [1, 1.0, np.array([True, False]), jnp.ones(3, bool), None]
+)
 def test_adjust_refuses_anything_but_a_bool_scalar(finite):
   scaler = wa.DynamicLossScale(2.0**16)
   with pytest.raises(wa.WeightedAccumulationError, match="finite"):
@@ -296,8 +361,10 @@ def test_set_loss_scale_on_a_fresh_window(variant):
   state = wa.init(PARAMS, loss_scale=8.0)
   out = variant(wa.set_loss_scale)(state, 2.0**10)
   assert float(out.loss_scale) == 2.0**10
-  for a, b in zip(jax.tree.leaves(out.replace(loss_scale=state.loss_scale)),
-                  jax.tree.leaves(state)):
+  for a, b in zip(
+    jax.tree.leaves(out.replace(loss_scale=state.loss_scale)),
+    jax.tree.leaves(state),
+  ):
     np.testing.assert_array_equal(a, b)
   scaler = wa.DynamicLossScale(32.0)
   assert float(variant(wa.set_loss_scale)(state, scaler).loss_scale) == 32.0
@@ -310,24 +377,30 @@ def test_set_loss_scale_after_only_zero_weight_microbatches():
 
 
 def test_set_loss_scale_refuses_a_window_holding_weight_eagerly():
-  state = wa.accumulate_sum(wa.init(PARAMS, loss_scale=8.0),
-                            _scaled_grads(8.0), 3)
+  state = wa.accumulate_sum(
+    wa.init(PARAMS, loss_scale=8.0), _scaled_grads(8.0), 3
+  )
   before = jax.tree.map(np.asarray, state)
-  with pytest.raises(wa.WeightedAccumulationError,
-                     match="holds total weight 3.0.*constant within a window"):
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match="holds total weight 3.0.*constant within a window",
+  ):
     wa.set_loss_scale(state, 4.0)
-  jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.asarray, state))
+  jax.tree.map(
+    np.testing.assert_array_equal, before, jax.tree.map(np.asarray, state)
+  )
 
 
 def test_set_loss_scale_under_jit_keeps_the_scale_of_a_window_holding_weight():
-  state = wa.accumulate_sum(wa.init(PARAMS, loss_scale=8.0),
-                            _scaled_grads(8.0), 3)
+  state = wa.accumulate_sum(
+    wa.init(PARAMS, loss_scale=8.0), _scaled_grads(8.0), 3
+  )
   out = jax.jit(wa.set_loss_scale)(state, 4.0)
   assert float(out.loss_scale) == 8.0
   # And checkify reports it.
   checked = checkify.checkify(
-      jax.jit(lambda s, x: wa.set_loss_scale(s, x, checked=True)))
+    jax.jit(lambda s, x: wa.set_loss_scale(s, x, checked=True))
+  )
   err, _ = checked(state, jnp.float32(4.0))
   assert "already holds weight" in err.get()
   err, out = checked(wa.init(PARAMS), jnp.float32(4.0))
@@ -341,9 +414,9 @@ def test_set_loss_scale_refuses_an_invalid_scale(bad):
     wa.set_loss_scale(state, bad)
   out = jax.jit(wa.set_loss_scale)(state, jnp.float32(bad))
   assert float(out.loss_scale) == 8.0
-  err, _ = checkify.checkify(jax.jit(
-      lambda s, x: wa.set_loss_scale(s, x, checked=True)))(state,
-                                                           jnp.float32(bad))
+  err, _ = checkify.checkify(
+    jax.jit(lambda s, x: wa.set_loss_scale(s, x, checked=True))
+  )(state, jnp.float32(bad))
   assert "not finite and positive" in err.get()
 
 
@@ -403,8 +476,7 @@ def _run_windows(state, scaler, flags, start):
 
 
 @pytest.mark.parametrize("stop", [3, 6])
-def test_checkpoint_between_windows_restores_scale_and_tracker(tmp_path,
-                                                               stop):
+def test_checkpoint_between_windows_restores_scale_and_tracker(tmp_path, stop):
   config = dict(growth_interval=3, min_scale=2.0)
   flags = [True, True, False, True, True, True, True, False, True, True]
   scaler0 = wa.DynamicLossScale(2.0**8, **config)
@@ -416,8 +488,10 @@ def test_checkpoint_between_windows_restores_scale_and_tracker(tmp_path,
   saved = {"accum": state, "scaler": scaler}
   snapshot = jax.tree.map(np.asarray, saved)
   _save(tmp_path / "ckpt", saved)
-  template = {"accum": wa.init(PARAMS),
-              "scaler": wa.DynamicLossScale(2.0**8, **config)}
+  template = {
+    "accum": wa.init(PARAMS),
+    "scaler": wa.DynamicLossScale(2.0**8, **config),
+  }
   template_before = jax.tree.map(np.asarray, template)
   got = _restore(tmp_path / "ckpt", template)
   assert type(got["scaler"]) is wa.DynamicLossScale
@@ -425,13 +499,17 @@ def test_checkpoint_between_windows_restores_scale_and_tracker(tmp_path,
     assert np.asarray(a).dtype == np.asarray(b).dtype
     np.testing.assert_array_equal(a, b)
   assert got["scaler"].growth_interval == 3
-  jax.tree.map(np.testing.assert_array_equal, template_before,
-               jax.tree.map(np.asarray, template))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    template_before,
+    jax.tree.map(np.asarray, template),
+  )
   # The resumed run continues the same scale and tracker.
-  state, scaler = _run_windows(got["accum"], got["scaler"], flags[stop:],
-                               stop)
+  state, scaler = _run_windows(got["accum"], got["scaler"], flags[stop:], stop)
   assert (float(scaler.scale), int(scaler.growth_tracker)) == (
-      float(want.scale), int(want.growth_tracker))
+    float(want.scale),
+    int(want.growth_tracker),
+  )
   assert float(state.loss_scale) == float(want_state.loss_scale)
 
 
@@ -440,10 +518,16 @@ def test_checkpoint_of_a_scaler_alone_with_a_manager(tmp_path):
   with ocp.CheckpointManager(tmp_path) as mngr:
     mngr.save(1, args=ocp.args.Composite(scaler=wa.AccumSave(scaler)))
     mngr.wait_until_finished()
-    out = mngr.restore(1, args=ocp.args.Composite(
-        scaler=wa.AccumRestore(wa.DynamicLossScale(1.0, growth_interval=5))))
+    out = mngr.restore(
+      1,
+      args=ocp.args.Composite(
+        scaler=wa.AccumRestore(wa.DynamicLossScale(1.0, growth_interval=5))
+      ),
+    )
   assert (float(out.scaler.scale), int(out.scaler.growth_tracker)) == (
-      2.0**20, 1)
+    2.0**20,
+    1,
+  )
 
 
 def _corrupt(scale, tracker, interval=5):
@@ -453,7 +537,9 @@ def _corrupt(scale, tracker, interval=5):
   return jax.tree.unflatten(treedef, [jnp.float32(scale), jnp.int32(tracker)])
 
 
-@pytest.mark.parametrize("scale, tracker, needle", [
+@pytest.mark.parametrize(
+  "scale, tracker, needle",
+  [
     (np.nan, 0, "scale"),
     (np.inf, 0, "scale"),
     (0.0, 0, "scale"),
@@ -461,17 +547,21 @@ def _corrupt(scale, tracker, interval=5):
     (0.25, 0, "min_scale"),
     (8.0, -1, "growth_tracker"),
     (8.0, 5, "growth_tracker"),
-])
+  ],
+)
 def test_restore_refuses_a_corrupt_scaler(tmp_path, scale, tracker, needle):
   _save(tmp_path / "ckpt", {"opt": {"scaler": _corrupt(scale, tracker)}})
-  template = {"opt": {"scaler": wa.DynamicLossScale(2.0**10,
-                                                    growth_interval=5)}}
+  template = {
+    "opt": {"scaler": wa.DynamicLossScale(2.0**10, growth_interval=5)}
+  }
   before = jax.tree.map(np.asarray, template)
-  with pytest.raises(wa.WeightedAccumulationError,
-                     match=r"\['opt'\]\['scaler'\].*" + needle):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"\['opt'\]\['scaler'\].*" + needle
+  ):
     _restore(tmp_path / "ckpt", template)
-  jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.asarray, template))
+  jax.tree.map(
+    np.testing.assert_array_equal, before, jax.tree.map(np.asarray, template)
+  )
 
 
 def test_restore_refuses_a_scale_saved_in_another_dtype(tmp_path):
@@ -500,8 +590,16 @@ def test_wrapper_skips_backs_off_grows_and_unscales_each_window(jit):
   rule for the scales and float64 SGD on the applied windows' weighted means
   (each window's grads were scaled by the scale the wrapper reported for it)."""
   k, lr = 3, 0.1
-  sizes = [[4, 9, 3], [5, 1, 7], [2, 2, 8], [6, 3, 1], [1, 1, 1], [7, 2, 5],
-           [3, 3, 3], [9, 4, 2]]
+  sizes = [
+    [4, 9, 3],
+    [5, 1, 7],
+    [2, 2, 8],
+    [6, 3, 1],
+    [1, 1, 1],
+    [7, 2, 5],
+    [3, 3, 3],
+    [9, 4, 2],
+  ]
   overflow = [False, True, False, False, False, True, True, False]
   rng = np.random.default_rng(3)
   mean_grads = rng.normal(size=(len(sizes), k, 4))
@@ -519,19 +617,27 @@ def test_wrapper_skips_backs_off_grows_and_unscales_each_window(jit):
       g = mean_grads[w, j] * scale
       if over and j == 1:
         g = np.full(4, np.inf)
-      updates, state = update({"w": jnp.asarray(g, jnp.float32)}, state,
-                              params, weight=n)
+      updates, state = update(
+        {"w": jnp.asarray(g, jnp.float32)}, state, params, weight=n
+      )
       params = optax.apply_updates(params, updates)
     assert bool(state.nonfinite) == over
     if not over:
       ref -= lr * (mean_grads[w] * np.array(ns)[:, None]).sum(0) / sum(ns)
     np.testing.assert_allclose(params["w"], ref, rtol=1e-5, atol=1e-6)
-  rule = reference_run(2.0**10, [not o for o in overflow], growth_factor=2.0,
-                       backoff_factor=0.5, growth_interval=2,
-                       min_scale=2.0**8)
+  rule = reference_run(
+    2.0**10,
+    [not o for o in overflow],
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=2,
+    min_scale=2.0**8,
+  )
   assert seen_scales[1:] == [s for s, _ in rule][:-1]
-  assert (float(state.loss_scaler.scale),
-          int(state.loss_scaler.growth_tracker)) == rule[-1]
+  assert (
+    float(state.loss_scaler.scale),
+    int(state.loss_scaler.growth_tracker),
+  ) == rule[-1]
   assert int(state.nonfinite_windows) == sum(overflow)
   assert int(state.gradient_step) == len(sizes) - sum(overflow)
 
@@ -552,8 +658,9 @@ def _mean_loss(graphdef, params, mb, dtype):
   targets = mb.tokens[:, 1:]
   pos = jnp.arange(targets.shape[1])[None, :]
   mask = (pos < mb.lengths[:, None] - 1).astype(jnp.float32)
-  losses = -jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                targets[..., None], axis=-1)[..., 0]
+  losses = -jnp.take_along_axis(
+    jax.nn.log_softmax(logits), targets[..., None], axis=-1
+  )[..., 0]
   return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
@@ -572,7 +679,7 @@ def _train(dtype, scale, allow):
     def micro(carry, mb):
       state, loss_sum = carry
       scaled = lambda q: _mean_loss(graphdef, q, mb, dtype) * state.loss_scale
-      loss, grads = jax.value_and_grad(scaled)(low)       # grads in dtype
+      loss, grads = jax.value_and_grad(scaled)(low)  # grads in dtype
       weight = toy.weight(mb)
       state = wa.accumulate_mean(state, grads, weight)
       return (state, loss_sum + loss / state.loss_scale * weight), None
@@ -584,10 +691,17 @@ def _train(dtype, scale, allow):
     updates, new_opt_state = tx.update(out.grads, opt_state, params)
     apply = out.valid & allow
     keep = lambda new, old: jax.tree.map(
-        lambda n, o: jnp.where(apply, n, o), new, old)
-    return (keep(optax.apply_updates(params, updates), params),
-            keep(new_opt_state, opt_state), state, scaler,
-            loss_sum / out.weight, out.finite, out.loss_scale)
+      lambda n, o: jnp.where(apply, n, o), new, old
+    )
+    return (
+      keep(optax.apply_updates(params, updates), params),
+      keep(new_opt_state, opt_state),
+      state,
+      scaler,
+      loss_sum / out.weight,
+      out.finite,
+      out.loss_scale,
+    )
 
   scaler = wa.DynamicLossScale(scale, growth_interval=GROWTH_INTERVAL)
   state = wa.init(params, dtype=jnp.float32, loss_scale=scaler.scale)
@@ -595,10 +709,12 @@ def _train(dtype, scale, allow):
   rows = []
   for w in range(WINDOWS):
     b = toy.make_dataset(num_sequences=MICRO * ROWS, max_len=24, seed=100 + w)
-    batch = toy.Batch(b.tokens.reshape(MICRO, ROWS, -1),
-                      b.lengths.reshape(MICRO, ROWS))
+    batch = toy.Batch(
+      b.tokens.reshape(MICRO, ROWS, -1), b.lengths.reshape(MICRO, ROWS)
+    )
     params, opt_state, state, scaler, loss, finite, used = window(
-        params, opt_state, state, scaler, batch, jnp.bool_(allow[w]))
+      params, opt_state, state, scaler, batch, jnp.bool_(allow[w])
+    )
     rows.append((float(loss), bool(finite), float(used)))
   return rows
 
@@ -619,9 +735,14 @@ def test_float16_backs_off_from_overflow_then_tracks_float32(float16_run):
   assert 1 <= first <= 8, finite
   assert all(scales[w] == START_SCALE / 2**w for w in range(first + 1))
   # The scale of every window is GradScaler's rule applied to the flags.
-  rule = reference_run(START_SCALE, finite.tolist()[:-1], growth_factor=2.0,
-                       backoff_factor=0.5, growth_interval=GROWTH_INTERVAL,
-                       min_scale=1.0)
+  rule = reference_run(
+    START_SCALE,
+    finite.tolist()[:-1],
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    growth_interval=GROWTH_INTERVAL,
+    min_scale=1.0,
+  )
   assert scales[1:].tolist() == [s for s, _ in rule]
   # After the back-off, only a window right after a growth may overflow.
   for w in range(first + 1, WINDOWS):
@@ -657,8 +778,10 @@ def test_wrapper_state_checkpoint_restores_the_scaler(tmp_path):
   with the same scale and tracker, and the resumed run equals the
   uninterrupted one."""
   tx = wa.weighted_multi_steps(
-      optax.sgd(0.1), every_k=2,
-      loss_scale=wa.DynamicLossScale(2.0**6, growth_interval=3))
+    optax.sgd(0.1),
+    every_k=2,
+    loss_scale=wa.DynamicLossScale(2.0**6, growth_interval=3),
+  )
   params = {"w": jnp.zeros(3, jnp.float32)}
   flags = [True, False, True, True, True, True]
 
@@ -667,16 +790,21 @@ def test_wrapper_state_checkpoint_restores_the_scaler(tmp_path):
       scale = float(wa.window_counters(state)["loss_scale"])
       for j in range(2):
         g = np.full(3, (w + j + 1) * scale if flags[w] or j else np.nan)
-        _, state = tx.update({"w": jnp.asarray(g, jnp.float32)}, state,
-                             params, weight=1 + j)
+        _, state = tx.update(
+          {"w": jnp.asarray(g, jnp.float32)}, state, params, weight=1 + j
+        )
     return state
 
   want = run(tx.init(params), range(6))
   mid = run(tx.init(params), range(3))
   _save(tmp_path / "ckpt", mid)
   got = _restore(tmp_path / "ckpt", tx.init(params))
-  assert (float(got.loss_scaler.scale), int(got.loss_scaler.growth_tracker)) \
-      == (float(mid.loss_scaler.scale), int(mid.loss_scaler.growth_tracker))
+  assert (
+    float(got.loss_scaler.scale),
+    int(got.loss_scaler.growth_tracker),
+  ) == (float(mid.loss_scaler.scale), int(mid.loss_scaler.growth_tracker))
   got = run(got, range(3, 6))
-  assert (float(got.loss_scaler.scale), int(got.loss_scaler.growth_tracker)) \
-      == (float(want.loss_scaler.scale), int(want.loss_scaler.growth_tracker))
+  assert (
+    float(got.loss_scaler.scale),
+    int(got.loss_scaler.growth_tracker),
+  ) == (float(want.loss_scaler.scale), int(want.loss_scaler.growth_tracker))

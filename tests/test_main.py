@@ -37,6 +37,11 @@ def test_demo_trains_each_way(capsys):
 
 
 def test_module_entry_point_help():
-  res = subprocess.run([sys.executable, "-m", "weighted_accum", "--help"],
-                       capture_output=True, text=True, timeout=120, check=True)
+  res = subprocess.run(
+    [sys.executable, "-m", "weighted_accum", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  )
   assert "--windows" in res.stdout

@@ -26,19 +26,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A small transformer-like tree: unequal leaf shapes, one large embedding.
 SHAPES = {
-    "embed": (1024, 96),
-    "block": {"qkv": (96, 288), "out": (96, 96), "up": (96, 384),
-              "up_bias": (384,), "down": (384, 96), "down_bias": (96,),
-              "ln": (96,)},
-    "head": {"ln": (96,)},
+  "embed": (1024, 96),
+  "block": {
+    "qkv": (96, 288),
+    "out": (96, 96),
+    "up": (96, 384),
+    "up_bias": (384,),
+    "down": (384, 96),
+    "down_bias": (96,),
+    "ln": (96,),
+  },
+  "head": {"ln": (96,)},
 }
 
 
 def _tree(dtype, seed):
   rng = np.random.default_rng(seed)
   return jax.tree.map(
-      lambda s: jnp.asarray(rng.standard_normal(s, np.float32), dtype), SHAPES,
-      is_leaf=lambda x: isinstance(x, tuple))
+    lambda s: jnp.asarray(rng.standard_normal(s, np.float32), dtype),
+    SHAPES,
+    is_leaf=lambda x: isinstance(x, tuple),
+  )
 
 
 PARAMS = _tree(jnp.float32, 0)
@@ -55,10 +63,12 @@ def _fresh_copy(tree):
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-@pytest.mark.parametrize("gdtype", [jnp.float32, jnp.bfloat16],
-                         ids=["f32", "bf16"])
-@pytest.mark.parametrize("fn", [wa.accumulate_sum, wa.accumulate_mean],
-                         ids=["sum", "mean"])
+@pytest.mark.parametrize(
+  "gdtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"]
+)
+@pytest.mark.parametrize(
+  "fn", [wa.accumulate_sum, wa.accumulate_mean], ids=["sum", "mean"]
+)
 def test_accumulate_updates_every_buffer_in_place(fn, gdtype):
   grads = _tree(gdtype, 1)
   state = wa.accumulate_sum(wa.init(PARAMS), _tree(jnp.float32, 2), 2.0)
@@ -78,12 +88,14 @@ def test_accumulate_updates_every_buffer_in_place(fn, gdtype):
   # And the values are right (in place, not merely aliased): float64 NumPy.
   g = np.asarray(jax.tree.leaves(grads)[0], np.float64)
   expect = before + (3.0 * g if fn is wa.accumulate_mean else g)
-  np.testing.assert_allclose(np.asarray(jax.tree.leaves(new.grads)[0]),
-                             expect, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(jax.tree.leaves(new.grads)[0]), expect, rtol=1e-6, atol=1e-6
+  )
 
 
-@pytest.mark.parametrize("fn", [wa.finish_mean, wa.finish_sums],
-                         ids=["mean", "sums"])
+@pytest.mark.parametrize(
+  "fn", [wa.finish_mean, wa.finish_sums], ids=["mean", "sums"]
+)
 def test_finish_writes_result_in_place_and_little_else(fn):
   state = wa.accumulate_sum(wa.init(PARAMS), _tree(jnp.float32, 1), 4.0)
   before = np.array(jax.tree.leaves(state.grads)[0], np.float64)
@@ -102,8 +114,9 @@ def test_finish_writes_result_in_place_and_little_else(fn):
   assert _addresses(out.grads) == addresses
   assert not set(_addresses(new.grads)) & set(addresses)
   expect = before / 4.0 if fn is wa.finish_mean else before
-  np.testing.assert_allclose(np.asarray(jax.tree.leaves(out.grads)[0]),
-                             expect, rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(jax.tree.leaves(out.grads)[0]), expect, rtol=1e-6
+  )
   assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(new.grads))
 
 
@@ -115,8 +128,9 @@ def _wrapper_step(tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-@pytest.mark.parametrize("inner", [optax.adamw(1e-3), optax.sgd(0.1)],
-                         ids=["adamw", "sgd"])
+@pytest.mark.parametrize(
+  "inner", [optax.adamw(1e-3), optax.sgd(0.1)], ids=["adamw", "sgd"]
+)
 def test_wrapper_mid_window_step_is_in_place_without_temporaries(inner):
   """update + apply_updates mid-window: params, inner state and buffers are
   updated in place and nothing parameter-sized is allocated: the zero updates
@@ -129,19 +143,22 @@ def test_wrapper_mid_window_step_is_in_place_without_temporaries(inner):
   params, opt_state = _fresh_copy(PARAMS), tx.init(PARAMS)
   compiled = _wrapper_step(tx).lower(params, opt_state, grads, 2.0).compile()
   ma = compiled.memory_analysis()
-  donated_bytes = sum(x.nbytes for x in jax.tree.leaves((params, opt_state))
-                      if x.size > 1)
+  donated_bytes = sum(
+    x.nbytes for x in jax.tree.leaves((params, opt_state)) if x.size > 1
+  )
   assert ma.alias_size_in_bytes >= donated_bytes
   assert ma.temp_size_in_bytes <= 0.01 * BUFFER_BYTES
 
   addresses = _addresses((params, opt_state))
   new_params, new_state = compiled(params, opt_state, grads, 2.0)
   new_addresses = _addresses((new_params, new_state))
-  big = [i for i, x in enumerate(jax.tree.leaves((params, opt_state)))
-         if x.size > 1]
+  big = [
+    i for i, x in enumerate(jax.tree.leaves((params, opt_state))) if x.size > 1
+  ]
   assert [new_addresses[i] for i in big] == [addresses[i] for i in big]
   np.testing.assert_array_equal(
-      np.asarray(new_params["embed"]), np.asarray(PARAMS["embed"]))
+    np.asarray(new_params["embed"]), np.asarray(PARAMS["embed"])
+  )
 
 
 def test_wrapper_with_narrower_buffers_keeps_one_temporary_and_works():
@@ -163,14 +180,16 @@ def test_wrapper_with_narrower_buffers_keeps_one_temporary_and_works():
     results[dtype] = params
   # Reference in float64: sgd(1) on the weighted mean of the two microbatches.
   ref = jax.tree.map(
-      lambda p, a, b: np.asarray(p, np.float64) - (
-          3 * np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 4,
-      PARAMS, *grads)
+    lambda p, a, b: (
+      np.asarray(p, np.float64)
+      - (3 * np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 4
+    ),
+    PARAMS,
+    *grads,
+  )
   for dtype, rtol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
-    for got, want in zip(jax.tree.leaves(results[dtype]),
-                         jax.tree.leaves(ref)):
-      np.testing.assert_allclose(np.asarray(got), want, rtol=rtol,
-                                 atol=rtol)
+    for got, want in zip(jax.tree.leaves(results[dtype]), jax.tree.leaves(ref)):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=rtol)
 
 
 @pytest.mark.slow
@@ -178,29 +197,55 @@ def test_benchmark_smoke_run(tmp_path):
   """benchmarks/run.py --smoke runs end to end and writes its three files."""
   env = dict(os.environ)
   # Compile time dominates a tiny run: ask XLA for less optimisation.
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_backend_optimization_level=0").strip()
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  ).strip()
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--smoke",
-       "--out", str(tmp_path)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      str(ROOT / "benchmarks" / "run.py"),
+      "--smoke",
+      "--out",
+      str(tmp_path),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   files = sorted(p.name for p in tmp_path.iterdir())
   assert {Path(f).suffix for f in files} == {".json", ".md", ".png"}, files
   result = json.loads(next(tmp_path.glob("*.json")).read_text())
   cases = {r["case"] for r in result["rows"]}
-  assert {"bare_add", "numpy_add", "accumulate_sum", "accumulate_mean",
-          "step_multisteps", "step_wrapper", "step_core", "bare_scale",
-          "finish_mean"} <= cases
+  assert {
+    "bare_add",
+    "numpy_add",
+    "accumulate_sum",
+    "accumulate_mean",
+    "step_multisteps",
+    "step_wrapper",
+    "step_core",
+    "bare_scale",
+    "finish_mean",
+  } <= cases
   for r in result["rows"]:
     assert r["runs"] >= 10 and r["median_ms"] > 0
-    base = next(b for b in result["rows"] if b["case"] == r["baseline"] and
-                b["size"] == r["size"] and
-                b["grads_dtype"] == r["grads_dtype"])
+    base = next(
+      b
+      for b in result["rows"]
+      if b["case"] == r["baseline"]
+      and b["size"] == r["size"]
+      and b["grads_dtype"] == r["grads_dtype"]
+    )
     assert r["ratio"] == pytest.approx(r["median_ms"] / base["median_ms"])
   acc = next(r for r in result["rows"] if r["case"] == "accumulate_mean")
   assert acc["memory"]["all_aliased"]
   assert {r["case"] for r in result["e2e"]["rows"]} == {
-      "e2e_multisteps", "e2e_hand_loop", "e2e_wrapper"}
+    "e2e_multisteps",
+    "e2e_hand_loop",
+    "e2e_wrapper",
+  }
   assert {c["status"] for c in result["bar"]} <= {"pass", "miss", "info"}
   assert "| bar | params |" in proc.stdout

@@ -26,8 +26,10 @@ D_IN, HIDDEN, B = 3, 8, 32
 
 def _params(seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
-  return {"w": jnp.asarray(rng.standard_normal((D_IN, HIDDEN)) * 0.5, dtype),
-          "v": jnp.asarray(rng.standard_normal((HIDDEN,)) * 0.5, dtype)}
+  return {
+    "w": jnp.asarray(rng.standard_normal((D_IN, HIDDEN)) * 0.5, dtype),
+    "v": jnp.asarray(rng.standard_normal((HIDDEN,)) * 0.5, dtype),
+  }
 
 
 def _batch(mask, seed=1, n=B, dtype=jnp.float32):
@@ -49,7 +51,7 @@ def sum_loss(p, batch):
 
 def mean_loss(p, batch):
   s, n = sum_loss(p, batch)
-  return s / n, n   # 0/0 = NaN for a fully masked microbatch, on purpose
+  return s / n, n  # 0/0 = NaN for a fully masked microbatch, on purpose
 
 
 LOSSES = {"sum": sum_loss, "mean": mean_loss}
@@ -57,8 +59,9 @@ LOSSES = {"sum": sum_loss, "mean": mean_loss}
 
 def full_batch(p, batch):
   """The reference: value and gradient of the whole batch's mean loss."""
-  return jax.value_and_grad(lambda p: sum_loss(p, batch)[0] /
-                            jnp.sum(batch["mask"]))(p)
+  return jax.value_and_grad(
+    lambda p: sum_loss(p, batch)[0] / jnp.sum(batch["mask"])
+  )(p)
 
 
 def numpy_loss(p, batch):
@@ -69,9 +72,12 @@ def numpy_loss(p, batch):
 
 
 def rel_err(got, want):
-  return max(float(jnp.max(jnp.abs(jnp.asarray(g, jnp.float32) - r)) /
-                   jnp.max(jnp.abs(r)))
-             for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  return max(
+    float(
+      jnp.max(jnp.abs(jnp.asarray(g, jnp.float32) - r)) / jnp.max(jnp.abs(r))
+    )
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+  )
 
 
 def _mask_with_empty_microbatch(k, seed, empty=1):
@@ -79,11 +85,12 @@ def _mask_with_empty_microbatch(k, seed, empty=1):
   mask = (rng.random(B) < 0.6).astype(np.float32)
   mask[0] = 1.0
   if k > 1:
-    mask[empty::k] = 0.0   # microbatch `empty` is fully masked
+    mask[empty::k] = 0.0  # microbatch `empty` is fully masked
   return mask
 
 
 # ---------------------------------------------------------- 1. equivalence --
+
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
@@ -98,10 +105,12 @@ def test_equals_full_batch(k, mode, variant):
   assert int(out.issued) == k and bool(out.valid) and bool(out.finite)
 
 
-@given(bits=st.lists(st.booleans(), min_size=B, max_size=B),
-       mode=st.sampled_from(["sum", "mean"]))
+@given(
+  bits=st.lists(st.booleans(), min_size=B, max_size=B),
+  mode=st.sampled_from(["sum", "mean"]),
+)
 def test_equals_full_batch_over_masks(bits, mode):
-  bits[5] = True   # a positive total weight (zero total weight: see below)
+  bits[5] = True  # a positive total weight (zero total weight: see below)
   p, batch = _params(), _batch(np.array(bits, np.float32))
   loss, out = _JITTED[mode](p, batch)
   ref_loss, ref_grads = full_batch(p, batch)
@@ -110,16 +119,19 @@ def test_equals_full_batch_over_masks(bits, mode):
   assert bool(out.valid)
 
 
-_JITTED = {m: jax.jit(wa.microbatched_value_and_grad(LOSSES[m], 4, mode=m))
-           for m in LOSSES}
+_JITTED = {
+  m: jax.jit(wa.microbatched_value_and_grad(LOSSES[m], 4, mode=m))
+  for m in LOSSES
+}
 
 
 def test_zero_total_weight_jit_invalid_eager_raises():
   p, batch = _params(), _batch(np.zeros(B, np.float32))
   _, out = _JITTED["mean"](p, batch)
   assert not bool(out.valid) and float(out.weight) == 0.0
-  assert all(float(jnp.max(jnp.abs(g))) == 0 for g in jax.tree.leaves(
-      out.grads))
+  assert all(
+    float(jnp.max(jnp.abs(g))) == 0 for g in jax.tree.leaves(out.grads)
+  )
   with pytest.raises(wa.WeightedAccumulationError, match="total weight"):
     wa.microbatched_value_and_grad(mean_loss, 4, mode="mean")(p, batch)
 
@@ -129,9 +141,9 @@ def test_optax_mean_accumulator_is_biased_ours_is_exact():
   optax.microbatching: MEAN weights every microbatch equally."""
   k, p = 4, _params()
   mask = np.zeros(B, np.float32)
-  mask[0::k] = 1.0          # microbatch 0: 8 items
-  mask[1] = 1.0             # microbatch 1: 1 item
-  mask[2:16:k] = 1.0        # microbatch 2: 4 items; microbatch 3: none
+  mask[0::k] = 1.0  # microbatch 0: 8 items
+  mask[1] = 1.0  # microbatch 1: 1 item
+  mask[2:16:k] = 1.0  # microbatch 2: 4 items; microbatch 3: none
   batch = _batch(mask)
   ref_loss, ref_grads = full_batch(p, batch)
 
@@ -142,10 +154,12 @@ def test_optax_mean_accumulator_is_biased_ours_is_exact():
   vg = jax.value_and_grad(safe_mean, has_aux=True)
   split = dict(argnums=1, microbatch_size=B // k)
   biased = optax.microbatching.microbatch(
-      vg, accumulator=optax.microbatching.AccumulationType.MEAN, **split)
+    vg, accumulator=optax.microbatching.AccumulationType.MEAN, **split
+  )
   (b_loss, _), b_grads = biased(p, batch)
   exact = optax.microbatching.microbatch(
-      vg, accumulator=wa.optax_accumulator("mean"), **split)
+    vg, accumulator=wa.optax_accumulator("mean"), **split
+  )
   (e_loss, e_weight), e_grads = exact(p, batch)
   assert rel_err(b_grads, ref_grads) > 0.05
   assert abs(float(b_loss) - float(ref_loss)) > 0.05 * float(ref_loss)
@@ -161,10 +175,15 @@ def test_optax_accumulator_sum_mode_and_early_stop(mode):
   k, p = 4, _params()
   batch = _batch(_mask_with_empty_microbatch(k, seed=3))
   vg = jax.value_and_grad(LOSSES[mode], has_aux=True)
-  f = jax.jit(optax.microbatching.microbatch(
-      vg, argnums=1, microbatch_size=B // k,
+  f = jax.jit(
+    optax.microbatching.microbatch(
+      vg,
+      argnums=1,
+      microbatch_size=B // k,
       accumulator=wa.optax_accumulator(mode),
-      num_real_microbatches=jnp.int32(3)))
+      num_real_microbatches=jnp.int32(3),
+    )
+  )
   (loss, weight), grads = f(p, batch)
   first3 = dict(batch, mask=batch["mask"] * (np.arange(B) % k < 3))
   ref_loss, ref_grads = full_batch(p, first3)
@@ -177,9 +196,9 @@ def test_optax_accumulator_aggregate_per_example():
   """micro_vmap's per-example values fold into the same exact result."""
   p, batch = _params(), _batch(_mask_with_empty_microbatch(4, seed=5))
   acc = wa.optax_accumulator("mean")
-  per_ex = jax.vmap(jax.value_and_grad(mean_loss, has_aux=True),
-                    in_axes=(None, 0))(
-                        p, jax.tree.map(lambda x: x[:, None], batch))
+  per_ex = jax.vmap(
+    jax.value_and_grad(mean_loss, has_aux=True), in_axes=(None, 0)
+  )(p, jax.tree.map(lambda x: x[:, None], batch))
   (loss, weight), grads = acc.aggregate(per_ex)
   ref_loss, ref_grads = full_batch(p, batch)
   assert rel_err(grads, ref_grads) <= 1e-5
@@ -188,6 +207,7 @@ def test_optax_accumulator_aggregate_per_example():
 
 
 # ------------------------------------------- 2. aux order, early stopping --
+
 
 def test_aux_is_stacked_in_row_order(variant):
   k = 4
@@ -201,7 +221,8 @@ def test_aux_is_stacked_in_row_order(variant):
   f = variant(wa.microbatched_value_and_grad(loss_fn, k, has_aux=True))
   (loss, aux), out = f(p, batch)
   np.testing.assert_array_equal(
-      aux["rows"], np.arange(B).reshape(B // k, k).T)   # aux[i] = rows i::K
+    aux["rows"], np.arange(B).reshape(B // k, k).T
+  )  # aux[i] = rows i::K
   assert aux["n"].shape == (k,) and float(aux["n"].sum()) == B
   assert rel_err(out.grads, full_batch(p, batch)[1]) <= 1e-5
 
@@ -227,9 +248,9 @@ def test_num_real_microbatches_traced_skips_and_never_retraces():
     assert rel_err(out.grads, ref_grads) <= 1e-5
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * float(ref_loss)
     assert int(out.issued) == n
-  assert len(traces) == 2   # one trace (loss_fn is traced twice per trace)
-  f(p, batch, num_real_microbatches=3)   # a Python int: weakly typed int32
-  assert len(traces) == 4   # jit retraces once for the weak type, no more
+  assert len(traces) == 2  # one trace (loss_fn is traced twice per trace)
+  f(p, batch, num_real_microbatches=3)  # a Python int: weakly typed int32
+  assert len(traces) == 4  # jit retraces once for the weak type, no more
   f(p, batch, num_real_microbatches=1)
   assert len(traces) == 4
 
@@ -250,6 +271,7 @@ def test_skipped_microbatches_never_touch_the_result():
 
 # ----------------------------------------------------- 3. float16 + scale --
 
+
 def test_float16_work_dtype_with_loss_scale_close_to_float32():
   k = 8
   mask = _mask_with_empty_microbatch(k, seed=11)
@@ -257,9 +279,13 @@ def test_float16_work_dtype_with_loss_scale_close_to_float32():
   p16 = jax.tree.map(lambda x: x.astype(jnp.float16), p32)
   b16 = jax.tree.map(lambda x: x.astype(jnp.float16), b32)
   _, ref = jax.jit(wa.microbatched_value_and_grad(mean_loss, k, mode="mean"))(
-      p32, b32)
-  f16 = jax.jit(wa.microbatched_value_and_grad(
-      mean_loss, k, mode="mean", dtype=jnp.float16, loss_scale=2.0**12))
+    p32, b32
+  )
+  f16 = jax.jit(
+    wa.microbatched_value_and_grad(
+      mean_loss, k, mode="mean", dtype=jnp.float16, loss_scale=2.0**12
+    )
+  )
   loss, out = f16(p16, b16)
   assert all(g.dtype == jnp.float16 for g in jax.tree.leaves(out.grads))
   assert bool(out.finite) and bool(out.valid)
@@ -283,8 +309,12 @@ def test_dynamic_loss_scale_and_per_call_scale_without_recompiling():
   assert float(out.loss_scale) == 2.0**10 and rel_err(out.grads, ref) <= 1e-5
   scaler = scaler.adjust(out.finite)
   seen = []
-  for scale in (scaler, wa.DynamicLossScale(8.0), jnp.float32(3.0),
-                jnp.float32(5.0)):
+  for scale in (
+    scaler,
+    wa.DynamicLossScale(8.0),
+    jnp.float32(3.0),
+    jnp.float32(5.0),
+  ):
     _, out = f(p, batch, loss_scale=scale)
     assert rel_err(out.grads, ref) <= 1e-5
     assert float(out.loss_scale) == float(getattr(scale, "scale", scale))
@@ -297,6 +327,7 @@ def test_dynamic_loss_scale_and_per_call_scale_without_recompiling():
 
 # ------------------------------------------------------------- 4. memory --
 
+
 def _wide_mlp_loss(p, batch):
   h = jax.nn.relu(batch["x"] @ p["w1"])
   h = jax.nn.relu(h @ p["w2"])
@@ -306,18 +337,28 @@ def _wide_mlp_loss(p, batch):
 
 def _wide_mlp(n=1024, d=16, h=256):
   rng = np.random.default_rng(0)
-  p = {"w1": jnp.asarray(rng.standard_normal((d, h)) * 0.1, jnp.float32),
-       "w2": jnp.asarray(rng.standard_normal((h, h)) * 0.05, jnp.float32),
-       "w3": jnp.asarray(rng.standard_normal((h,)) * 0.1, jnp.float32)}
-  batch = {"x": jnp.asarray(rng.standard_normal((n, d)), jnp.float32),
-           "y": jnp.zeros((n,), jnp.float32), "mask": jnp.ones((n,))}
+  p = {
+    "w1": jnp.asarray(rng.standard_normal((d, h)) * 0.1, jnp.float32),
+    "w2": jnp.asarray(rng.standard_normal((h, h)) * 0.05, jnp.float32),
+    "w3": jnp.asarray(rng.standard_normal((h,)) * 0.1, jnp.float32),
+  }
+  batch = {
+    "x": jnp.asarray(rng.standard_normal((n, d)), jnp.float32),
+    "y": jnp.zeros((n,), jnp.float32),
+    "mask": jnp.ones((n,)),
+  }
   return p, batch
 
 
 def _while_bodies(hlo: str) -> dict[str, str]:
   """Every computation reachable from a while body (name -> text)."""
-  comps = dict(re.findall(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}",
-                          hlo, re.DOTALL | re.MULTILINE))
+  comps = dict(
+    re.findall(
+      r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}",
+      hlo,
+      re.DOTALL | re.MULTILINE,
+    )
+  )
   todo = re.findall(r"while\([^\n]*body=%?([\w.\-]+)", hlo)
   seen = {}
   while todo:
@@ -326,22 +367,30 @@ def _while_bodies(hlo: str) -> dict[str, str]:
       continue
     seen[name] = comps[name]
     todo += re.findall(
-        r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?"
-        r"([\w.\-]+)", comps[name])
+      r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?"
+      r"([\w.\-]+)",
+      comps[name],
+    )
     todo += re.findall(r"branch_computations=\{([^}]*)\}", comps[name])
   return seen
 
 
 def test_memory_k8_at_most_half_of_full_batch_and_carry_in_place():
   p, batch = _wide_mlp()
-  full = jax.jit(jax.grad(lambda p, b: _wide_mlp_loss(p, b)[0])).lower(
-      p, batch).compile()
-  micro = jax.jit(wa.microbatched_value_and_grad(_wide_mlp_loss, 8)).lower(
-      p, batch).compile()
+  full = (
+    jax.jit(jax.grad(lambda p, b: _wide_mlp_loss(p, b)[0]))
+    .lower(p, batch)
+    .compile()
+  )
+  micro = (
+    jax.jit(wa.microbatched_value_and_grad(_wide_mlp_loss, 8))
+    .lower(p, batch)
+    .compile()
+  )
   t_full = full.memory_analysis().temp_size_in_bytes
   t_micro = micro.memory_analysis().temp_size_in_bytes
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(p))
-  assert t_full > 8 * param_bytes   # activations dominate
+  assert t_full > 8 * param_bytes  # activations dominate
   assert t_micro <= 0.5 * t_full, (t_micro, t_full)
   # In place: no parameter-shaped copy inside the loop.
   bodies = _while_bodies(micro.as_text())
@@ -350,11 +399,14 @@ def test_memory_k8_at_most_half_of_full_batch_and_carry_in_place():
   for text in bodies.values():
     for line in text.splitlines():
       if re.search(r"= (\S+) copy\(", line):
-        assert re.search(r"= (\S+) copy\(", line).group(1).split("{")[0] \
-            not in shapes, line
+        assert (
+          re.search(r"= (\S+) copy\(", line).group(1).split("{")[0]
+          not in shapes
+        ), line
 
 
 # ------------------------------------------------ 5. shard_map, one psum --
+
 
 def _dp_batch(n_dev, rows_per_dev, seed):
   """Unequal valid rows per replica; replica 1 has none."""
@@ -373,10 +425,12 @@ def test_shard_map_exact_one_all_reduce_outside_the_loop(mode):
   n_dev, k = jax.device_count(), 4
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   p, batch = _params(), _dp_batch(n_dev, 8, seed=2)
-  f = wa.microbatched_value_and_grad(LOSSES[mode], k, mode=mode,
-                                     axis_name="data")
-  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")),
-                               out_specs=P()))
+  f = wa.microbatched_value_and_grad(
+    LOSSES[mode], k, mode=mode, axis_name="data"
+  )
+  step = jax.jit(
+    jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  )
   loss, out = step(p, batch)
   ref_loss, ref_grads = full_batch(p, batch)
   assert rel_err(out.grads, ref_grads) <= 1e-5
@@ -396,16 +450,19 @@ def test_shard_map_per_replica_outputs_agree():
   n_dev = jax.device_count()
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   p, batch = _params(), _dp_batch(n_dev, 4, seed=4)
-  f = wa.microbatched_value_and_grad(mean_loss, 2, mode="mean",
-                                     axis_name="data")
+  f = wa.microbatched_value_and_grad(
+    mean_loss, 2, mode="mean", axis_name="data"
+  )
 
   def per_replica(p, b):
     loss, out = f(p, b)
     return jax.tree.map(lambda x: x[None], (loss, out.grads))
 
-  loss, grads = jax.jit(jax.shard_map(
-      per_replica, mesh=mesh, in_specs=(P(), P("data")),
-      out_specs=P("data")))(p, batch)
+  loss, grads = jax.jit(
+    jax.shard_map(
+      per_replica, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data")
+    )
+  )(p, batch)
   assert np.ptp(np.asarray(loss)) == 0
   for g in jax.tree.leaves(grads):
     assert float(jnp.max(jnp.ptp(g, axis=0))) == 0
@@ -421,39 +478,46 @@ def test_shard_map_aux_per_replica_and_accumulate_into_a_replica_window():
     s, n = sum_loss(p, b)
     return (s, n), n
 
-  f = wa.microbatched_value_and_grad(loss_fn, 2, has_aux=True,
-                                     axis_name="data")
-  (_, aux), out = jax.jit(jax.shard_map(
-      f, mesh=mesh, in_specs=(P(), P("data")),
-      out_specs=((P(), P("data")), P())))(p, batch)
-  np.testing.assert_array_equal(   # replica r's aux[i] = its rows i::2
-      aux, np.asarray(batch["mask"]).reshape(n_dev, 2, 2).sum(1).ravel())
+  f = wa.microbatched_value_and_grad(loss_fn, 2, has_aux=True, axis_name="data")
+  (_, aux), out = jax.jit(
+    jax.shard_map(
+      f, mesh=mesh, in_specs=(P(), P("data")), out_specs=((P(), P("data")), P())
+    )
+  )(p, batch)
+  np.testing.assert_array_equal(  # replica r's aux[i] = its rows i::2
+    aux, np.asarray(batch["mask"]).reshape(n_dev, 2, 2).sum(1).ravel()
+  )
   assert rel_err(out.grads, ref) <= 1e-5
   g = wa.microbatched_value_and_grad(sum_loss, 2, axis_name="data")
 
-  def two_calls(p, b):   # a plain wa.init window, finished once per replica
+  def two_calls(p, b):  # a plain wa.init window, finished once per replica
     st = wa.init(p)
     (_, n1), st = g.accumulate(st, p, b)
     (_, n2), st = g.accumulate(st, p, jax.tree.map(lambda x: x[::-1], b))
     out, _ = wa.distributed.finish_mean(st, "data")
     return out.grads, out.weight, jax.lax.psum(n1 + n2, "data")
 
-  grads, weight, n = jax.jit(jax.shard_map(
-      two_calls, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))(
-          p, batch)
+  grads, weight, n = jax.jit(
+    jax.shard_map(
+      two_calls, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+  )(p, batch)
   assert float(weight) == float(n) == 2 * float(batch["mask"].sum())
   assert rel_err(grads, ref) <= 1e-5
 
 
 # ----------------------------------------- 6. implicit jit, 4x2 mesh --
 
+
 def test_implicit_jit_on_data_model_mesh_exact_and_shardings_kept():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),
-                           ("data", "model"))
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()).reshape(4, 2), ("data", "model")
+  )
   p, batch = _params(), _batch(_mask_with_empty_microbatch(4, seed=9))
   specs = {"w": P(None, "model"), "v": P("model")}
-  ps = {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
-        for k, v in p.items()}
+  ps = {
+    k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in p.items()
+  }
   bs = jax.device_put(batch, NamedSharding(mesh, P("data")))
   f = jax.jit(wa.microbatched_value_and_grad(mean_loss, 4, mode="mean"))
   loss, out = f(ps, bs)
@@ -465,6 +529,7 @@ def test_implicit_jit_on_data_model_mesh_exact_and_shardings_kept():
 
 
 # ------------------------------------- across calls, NNX, errors --
+
 
 def test_accumulate_spans_several_jitted_calls_exactly():
   k, p = 4, _params()
@@ -482,12 +547,12 @@ def test_accumulate_spans_several_jitted_calls_exactly():
   assert rel_err(out.grads, ref_grads) <= 1e-5
   assert float(w1 + w2) == float(both["mask"].sum()) == float(out.weight)
   assert abs(float((l1 + l2) / (w1 + w2)) - float(ref_loss)) <= 1e-5 * float(
-      ref_loss)
+    ref_loss
+  )
 
 
 def test_nnx_state_params_and_tuple_argnums():
   class MLP(nnx.Module):
-
     def __init__(self, rngs):
       self.lin = nnx.Linear(D_IN, HIDDEN, rngs=rngs)
       self.out = nnx.Linear(HIDDEN, 1, rngs=rngs)
@@ -512,13 +577,16 @@ def test_nnx_state_params_and_tuple_argnums():
     return sum_loss({"w": pw, "v": pv}, batch)
 
   p = _params()
-  _, out = wa.microbatched_value_and_grad(two, 4, argnums=(0, 1),
-                                          batch_argnums=2)(p["w"], p["v"], batch)
+  _, out = wa.microbatched_value_and_grad(
+    two, 4, argnums=(0, 1), batch_argnums=2
+  )(p["w"], p["v"], batch)
   ref = full_batch(p, batch)[1]
   assert rel_err(out.grads, (ref["w"], ref["v"])) <= 1e-5
 
 
-@pytest.mark.parametrize("kwargs, call, match", [
+@pytest.mark.parametrize(
+  "kwargs, call, match",
+  [
     (dict(num_microbatches=0), None, "num_microbatches"),
     (dict(mode="avg"), None, "mode"),
     (dict(argnums=1), None, "both"),
@@ -528,14 +596,16 @@ def test_nnx_state_params_and_tuple_argnums():
     ({}, "ragged", "rows"),
     ({}, "n_real", "num_real_microbatches"),
     (dict(axis_name="data"), "batch", "not bound"),
-])
+  ],
+)
 def test_errors_say_what_and_where(kwargs, call, match):
   p, batch = _params(), _batch(np.ones(B))
   args = dict(loss_fn=sum_loss, num_microbatches=4)
   args.update(kwargs)
   with pytest.raises(wa.WeightedAccumulationError, match=match):
-    f = wa.microbatched_value_and_grad(args.pop("loss_fn"),
-                                       args.pop("num_microbatches"), **args)
+    f = wa.microbatched_value_and_grad(
+      args.pop("loss_fn"), args.pop("num_microbatches"), **args
+    )
     if call == "ragged":
       batch = dict(batch, y=batch["y"][:-4])
     f(p, batch, num_real_microbatches=5 if call == "n_real" else None)
@@ -544,15 +614,19 @@ def test_errors_say_what_and_where(kwargs, call, match):
 def test_non_scalar_loss_is_refused():
   p, batch = _params(), _batch(np.ones(B))
   f = wa.microbatched_value_and_grad(
-      lambda p, b: (_per_item(p, b), b["mask"].sum()), 4)
+    lambda p, b: (_per_item(p, b), b["mask"].sum()), 4
+  )
   with pytest.raises(wa.WeightedAccumulationError, match="floating scalar"):
     f(p, batch)
 
 
 def test_invalid_weight_from_loss_fn_makes_the_call_invalid():
   p, batch = _params(), _batch(np.ones(B))
-  f = jax.jit(wa.microbatched_value_and_grad(
-      lambda p, b: (sum_loss(p, b)[0], -b["mask"].sum()), 4))
+  f = jax.jit(
+    wa.microbatched_value_and_grad(
+      lambda p, b: (sum_loss(p, b)[0], -b["mask"].sum()), 4
+    )
+  )
   _, out = f(p, batch)
   assert not bool(out.valid)
 

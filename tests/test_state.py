@@ -19,18 +19,31 @@ def _mesh():
 
 
 def _sharded_params(mesh):
-  specs = {"w": P("data", "model"), "b": P("model"), "r": P(), "v": P(None, "data")}
+  specs = {
+    "w": P("data", "model"),
+    "b": P("model"),
+    "r": P(),
+    "v": P(None, "data"),
+  }
   shapes = {"w": (8, 6), "b": (4,), "r": (3,), "v": (2, 4)}
-  return {k: jax.device_put(jnp.arange(np.prod(shapes[k]), dtype=jnp.float32
-                                       ).reshape(shapes[k]),
-                            NamedSharding(mesh, specs[k])) for k in specs}
+  return {
+    k: jax.device_put(
+      jnp.arange(np.prod(shapes[k]), dtype=jnp.float32).reshape(shapes[k]),
+      NamedSharding(mesh, specs[k]),
+    )
+    for k in specs
+  }
 
 
 def _assert_shardings(tree, params):
-  for (path, b), p in zip(jax.tree_util.tree_flatten_with_path(tree)[0],
-                          jax.tree.leaves(params)):
+  for (path, b), p in zip(
+    jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(params)
+  ):
     assert b.sharding.is_equivalent_to(p.sharding, b.ndim), (
-        jax.tree_util.keystr(path), b.sharding, p.sharding)
+      jax.tree_util.keystr(path),
+      b.sharding,
+      p.sharding,
+    )
 
 
 def test_init_zero_buffers_in_work_dtype():
@@ -63,10 +76,16 @@ def test_shardings_kept_through_every_call(variant, dtype):
   _assert_shardings(new.grads, params)
   # Values: (0.5 p * 1 + 0.5 p * 3) / 5, checked in float64.
   for k, p in params.items():
-    ref = np.asarray(jnp.asarray(np.asarray(p) * 0.5, jnp.bfloat16),
-                     np.float64) * 4 / 5
-    np.testing.assert_allclose(np.asarray(out.grads[k], np.float64), ref,
-                               rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
+    ref = (
+      np.asarray(jnp.asarray(np.asarray(p) * 0.5, jnp.bfloat16), np.float64)
+      * 4
+      / 5
+    )
+    np.testing.assert_allclose(
+      np.asarray(out.grads[k], np.float64),
+      ref,
+      rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6,
+    )
 
 
 def test_init_under_eval_shape_is_abstract():
@@ -89,15 +108,25 @@ def test_from_buffers_roundtrip_continues_window():
   host = jax.tree.map(np.asarray, state.grads)
   counters = {k: np.asarray(v) for k, v in state.counters.items()}
   restored = wa.from_buffers(params, host, counters)
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored),
-               jax.tree.map(np.asarray, state))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.tree.map(np.asarray, restored),
+    jax.tree.map(np.asarray, state),
+  )
   # total_weight may replace the exact pair.
   r2 = wa.from_buffers(params, host, {"issued": 2, "total_weight": 7.5})
   assert r2.total_weight == 7.5 and int(r2.issued) == 2
-  out1, _ = wa.finish_mean(wa.accumulate_sum(restored, jax.tree.map(jnp.ones_like, params), 1))
-  out2, _ = wa.finish_mean(wa.accumulate_sum(state, jax.tree.map(jnp.ones_like, params), 1))
-  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, out1.grads),
-               jax.tree.map(np.asarray, out2.grads))
+  out1, _ = wa.finish_mean(
+    wa.accumulate_sum(restored, jax.tree.map(jnp.ones_like, params), 1)
+  )
+  out2, _ = wa.finish_mean(
+    wa.accumulate_sum(state, jax.tree.map(jnp.ones_like, params), 1)
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.tree.map(np.asarray, out1.grads),
+    jax.tree.map(np.asarray, out2.grads),
+  )
 
 
 def test_from_buffers_puts_host_buffers_on_param_sharding():
@@ -115,17 +144,25 @@ def test_from_buffers_refuses_wrong_placement():
   state = _state_with(params)
   bufs = dict(state.grads)
   bufs["w"] = jax.device_put(bufs["w"], NamedSharding(mesh, P()))
-  with pytest.raises(wa.WeightedAccumulationError, match=r"\['w'\] is placed on"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=r"\['w'\] is placed on"
+  ):
     wa.from_buffers(params, bufs, state.counters)
 
 
-@pytest.mark.parametrize("mutate,match", [
+@pytest.mark.parametrize(
+  "mutate,match",
+  [
     (lambda b: b.pop("b"), r"\['b'\] is missing"),
     (lambda b: b.update(c=np.zeros(1, np.float32)), r"unexpected leaf \['c'\]"),
     (lambda b: b.update(a=np.zeros((3, 2), np.float32)), r"\['a'\] has shape"),
-    (lambda b: b.update(a=np.zeros((2, 2), np.int32)), r"\['a'\] has dtype int32"),
+    (
+      lambda b: b.update(a=np.zeros((2, 2), np.int32)),
+      r"\['a'\] has dtype int32",
+    ),
     (lambda b: b.update(a=np.zeros((2, 2), jnp.bfloat16)), r"mix dtypes"),
-])
+  ],
+)
 def test_from_buffers_structural_faults(mutate, match):
   params = {"a": jnp.zeros((2, 2)), "b": jnp.zeros(3)}
   state = _state_with(params)
@@ -135,7 +172,9 @@ def test_from_buffers_structural_faults(mutate, match):
     wa.from_buffers(params, bufs, state.counters)
 
 
-@pytest.mark.parametrize("change,match", [
+@pytest.mark.parametrize(
+  "change,match",
+  [
     ({"issued": -1}, "'issued' is -1"),
     ({"issued": 1.5}, "'issued' is 1.5"),
     ({"rejected": 5}, "exceed 'issued'"),
@@ -147,7 +186,8 @@ def test_from_buffers_structural_faults(mutate, match):
     ({"issued": 0}, "'issued' is 0"),
     ({"weight_hi": 0.0, "weight_lo": 0.0}, r"\['a'\] is non-zero"),
     ({"issued": np.zeros(2)}, "'issued' has shape"),
-])
+  ],
+)
 def test_from_buffers_counter_faults(change, match):
   params = {"a": jnp.zeros((2, 2)), "b": jnp.zeros(3)}
   state = _state_with(params)
@@ -159,21 +199,29 @@ def test_from_buffers_counter_faults(change, match):
 def test_grads_sharded_unlike_params_keep_buffer_shardings():
   mesh = _mesh()
   params = _sharded_params(mesh)
-  grads = {k: jax.device_put(jnp.ones_like(p), NamedSharding(mesh, P()))
-           for k, p in params.items()}
-  grads["w"] = jax.device_put(jnp.ones((8, 6)), NamedSharding(mesh, P("model", None)))
+  grads = {
+    k: jax.device_put(jnp.ones_like(p), NamedSharding(mesh, P()))
+    for k, p in params.items()
+  }
+  grads["w"] = jax.device_put(
+    jnp.ones((8, 6)), NamedSharding(mesh, P("model", None))
+  )
   state = wa.accumulate_sum(wa.init(params), grads, 2.0)
   _assert_shardings(state.grads, params)
   state = wa.accumulate_mean(state, grads, 1.0)
   _assert_shardings(state.grads, params)
-  np.testing.assert_array_equal(np.asarray(state.grads["w"]), np.full((8, 6), 2.0))
+  np.testing.assert_array_equal(
+    np.asarray(state.grads["w"]), np.full((8, 6), 2.0)
+  )
 
 
 def test_counter_table_defines_state_counters_and_checkpoint_dtypes():
   """A counter is declared once: AccumState's fields, init's values and
   ``state.counters`` all follow the table."""
   import dataclasses  # pylint: disable=g-import-not-at-top
+
   from weighted_accum import _counters  # pylint: disable=g-import-not-at-top
+
   names = [c.name for c in _counters.COUNTERS]
   fields = [f.name for f in dataclasses.fields(wa.AccumState)]
   assert fields == ["grads", *names, "dtype"]
@@ -185,7 +233,8 @@ def test_counter_table_defines_state_counters_and_checkpoint_dtypes():
     want = 4.0 if c.name == "loss_scale" else c.initial
     assert float(value) == want
   out, nxt = wa.finish_sums(
-      wa.accumulate_sum(state, {"w": jnp.ones(2)}, 3.0), next_loss_scale=2.0)
+    wa.accumulate_sum(state, {"w": jnp.ones(2)}, 3.0), next_loss_scale=2.0
+  )
   assert int(nxt.windows) == 1 and float(nxt.loss_scale) == 2.0
   assert int(nxt.issued) == 0 and nxt.total_weight == 0.0
   assert out.weight.item() == 3.0 and int(out.issued) == 1

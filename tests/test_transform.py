@@ -16,8 +16,8 @@ from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -25,14 +25,14 @@ import pytest
 import _helpers
 import weighted_accum as wa
 
-D = 3        # input features
-H = 4        # hidden units
-MAXB = 5     # rows per (padded) microbatch
+D = 3  # input features
+H = 4  # hidden units
+MAXB = 5  # rows per (padded) microbatch
 RTOL, ATOL = 1e-5, 1e-6
 
 INNERS = {
-    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
-    "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
+  "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+  "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
 }
 
 
@@ -46,7 +46,7 @@ def _fresh(tree):
 
 
 _sum_loss = _helpers.loss_sum
-_mean_loss = _helpers.loss_mean   # NaN for a fully masked microbatch
+_mean_loss = _helpers.loss_mean  # NaN for a fully masked microbatch
 
 
 def _data(sizes, seed):
@@ -56,7 +56,8 @@ def _data(sizes, seed):
   x = r.normal(size=(k, MAXB, D)).astype(np.float32)
   y = r.normal(size=(k, MAXB)).astype(np.float32)
   mask = (np.arange(MAXB)[None, :] < np.asarray(sizes)[:, None]).astype(
-      np.float32)
+    np.float32
+  )
   return x, y, mask
 
 
@@ -85,8 +86,9 @@ def _make_step(tx, mode, donate=True):
 
   def step(params, state, x, y, mask, finish):
     g = jax.grad(loss)(params, x, y, mask)
-    updates, state = tx.update(g, state, params, weight=jnp.sum(mask),
-                               finish=finish)
+    updates, state = tx.update(
+      g, state, params, weight=jnp.sum(mask), finish=finish
+    )
     return optax.apply_updates(params, updates), state
 
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
@@ -104,8 +106,9 @@ def _run(step, tx, params, windows, finish_last=False):
 
 def _assert_close(tree, ref, rtol=RTOL, atol=ATOL):
   for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol,
-                               atol=atol)
+    np.testing.assert_allclose(
+      np.asarray(a), np.asarray(b), rtol=rtol, atol=atol
+    )
 
 
 def _count(inner_state):
@@ -125,11 +128,17 @@ def _cached_step(inner_name, mode, k):
 
 # -- 1. correctness over several windows ------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["mean", "sum"])
 @pytest.mark.parametrize("inner_name", ["sgd", "adamw"])
-@given(sizes=st.lists(st.lists(st.integers(0, MAXB), min_size=3, max_size=3),
-                      min_size=1, max_size=3),
-       seed=st.integers(0, 2**16))
+@given(
+  sizes=st.lists(
+    st.lists(st.integers(0, MAXB), min_size=3, max_size=3),
+    min_size=1,
+    max_size=3,
+  ),
+  seed=st.integers(0, 2**16),
+)
 def test_matches_full_batch_reference(inner_name, mode, sizes, seed):
   tx, step = _cached_step(inner_name, mode, 3)
   windows = [_data(s, seed + i) for i, s in enumerate(sizes)]
@@ -161,6 +170,7 @@ def test_eager_update_matches_reference():
 
 # -- 2. against optax.MultiSteps ----------------------------------------------
 
+
 @pytest.mark.parametrize("inner_name", ["sgd", "adamw"])
 def test_equal_weights_match_multisteps_unequal_do_not(inner_name):
   k = 3
@@ -186,15 +196,19 @@ def test_equal_weights_match_multisteps_unequal_do_not(inner_name):
 
   unequal = [_data([5, 1, 2], 10), _data([1, 5, 3], 11)]
   got = _run(step, tx, _init_params(), unequal)[0]
-  _assert_close(got, _reference(INNERS[inner_name](), _init_params(),
-                                unequal)[0])
+  _assert_close(
+    got, _reference(INNERS[inner_name](), _init_params(), unequal)[0]
+  )
   biased = run_ms(unequal)
-  diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(biased)))
+  diff = max(
+    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(biased))
+  )
   assert diff > 1e-3
 
 
 # -- 3. partial windows and empty windows ---------------------------------------
+
 
 @pytest.mark.parametrize("every_k", [4, None])
 def test_finish_closes_partial_windows(every_k):
@@ -224,8 +238,7 @@ def test_full_window_after_partial_one():
   params, state = step(params, state, x[2], y[2], mask[2], jnp.bool_(False))
   assert bool(wa.has_updated(state))
   windows = [(x[:1], y[:1], mask[:1]), (x[1:], y[1:], mask[1:])]
-  _assert_close(params, _reference(INNERS["sgd"](), _init_params(),
-                                   windows)[0])
+  _assert_close(params, _reference(INNERS["sgd"](), _init_params(), windows)[0])
 
 
 @pytest.mark.parametrize("mode", ["mean", "sum"])
@@ -246,20 +259,28 @@ def test_all_zero_window_does_not_advance_and_is_not_lost(mode):
   assert int(state.empty_windows) == 1 and not bool(state.nonfinite)
   # Not lost: the window stays open, its counts carry over; a fresh every_k.
   c = wa.window_counters(state)
-  assert (int(c["issued"]), int(c["zero_weight"]), c["total_weight"],
-          int(c["mini_step"])) == (3, 3, 0.0, 0)
+  assert (
+    int(c["issued"]),
+    int(c["zero_weight"]),
+    c["total_weight"],
+    int(c["mini_step"]),
+  ) == (3, 3, 0.0, 0)
   # The next window applies normally and matches the reference.
   nxt = _data([2, 4, 1], 41)
   for i in range(3):
-    params, state = step(params, state, nxt[0][i], nxt[1][i], nxt[2][i],
-                         jnp.bool_(False))
+    params, state = step(
+      params, state, nxt[0][i], nxt[1][i], nxt[2][i], jnp.bool_(False)
+    )
   assert bool(wa.has_updated(state)) and _count(state.inner_state) == 1
   assert int(wa.window_counters(state)["issued"]) == 0
-  _assert_close(params, _reference(INNERS["adamw"](), _init_params(),
-                                   [(x, y, mask), nxt])[0])
+  _assert_close(
+    params,
+    _reference(INNERS["adamw"](), _init_params(), [(x, y, mask), nxt])[0],
+  )
 
 
 # -- 4. non-finite windows ----------------------------------------------------------
+
 
 def test_float16_overflow_window_is_skipped_and_next_starts_clean():
   """float16 grads of a loss scaled by 2**15 overflow: the window is dropped,
@@ -279,29 +300,36 @@ def test_float16_overflow_window_is_skipped_and_next_starts_clean():
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, x, weight, scale, next_scale):
     g = f16_grads(params, x, scale)
-    updates, state = tx.update(g, state, params, weight=weight,
-                               next_loss_scale=next_scale)
+    updates, state = tx.update(
+      g, state, params, weight=weight, next_loss_scale=next_scale
+    )
     return optax.apply_updates(params, updates), state
 
   state = tx.init(params)
   inner_before = jax.tree.map(np.asarray, state.inner_state)
-  big = jnp.array([4.0, 1.0, 0.5], jnp.float16)   # 4 * 2**15 > 65504
+  big = jnp.array([4.0, 1.0, 0.5], jnp.float16)  # 4 * 2**15 > 65504
   params, state = step(params, state, big, 3.0, 2.0**15, 2.0**15)
   params, state = step(params, state, big, 2.0, 2.0**15, 1.0)  # close
   assert bool(state.nonfinite) and int(state.nonfinite_windows) == 1
   assert not bool(wa.has_updated(state)) and int(state.gradient_step) == 0
-  for a, b in zip(jax.tree.leaves(state.inner_state),
-                  jax.tree.leaves(inner_before)):
+  for a, b in zip(
+    jax.tree.leaves(state.inner_state), jax.tree.leaves(inner_before)
+  ):
     np.testing.assert_array_equal(np.asarray(a), b)
   np.testing.assert_array_equal(np.asarray(params["w"]), [1.0, -2.0, 3.0])
   # Next window clean: zero buffers, zero counts, the new loss scale.
   c = wa.window_counters(state)
   assert (int(c["issued"]), c["total_weight"], float(c["loss_scale"])) == (
-      0, 0.0, 1.0)
+    0,
+    0.0,
+    1.0,
+  )
   assert not np.any(np.asarray(state.accum.grads["w"]))
 
-  xs = [jnp.array([0.5, -1.0, 2.0], jnp.float16),
-        jnp.array([1.5, 0.25, -3.0], jnp.float16)]
+  xs = [
+    jnp.array([0.5, -1.0, 2.0], jnp.float16),
+    jnp.array([1.5, 0.25, -3.0], jnp.float16),
+  ]
   ws = [3.0, 5.0]
   for x, w in zip(xs, ws):
     params, state = step(params, state, x, w, 1.0, 1.0)
@@ -318,18 +346,21 @@ def test_nan_with_positive_weight_is_skipped():
   tx = wa.weighted_multi_steps(optax.sgd(0.1), 2)
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
-  _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state, params,
-                       weight=2.0)
+  _, state = tx.update(
+    {"w": jnp.array([jnp.nan, 1.0])}, state, params, weight=2.0
+  )
   upd, state = tx.update({"w": jnp.ones(2)}, state, params, weight=1.0)
   assert bool(state.nonfinite) and int(state.gradient_step) == 0
   np.testing.assert_array_equal(np.asarray(upd["w"]), [0.0, 0.0])
-  upd, state = tx.update({"w": jnp.ones(2)}, state, params, weight=1.0,
-                         finish=True)
+  upd, state = tx.update(
+    {"w": jnp.ones(2)}, state, params, weight=1.0, finish=True
+  )
   assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
   np.testing.assert_allclose(np.asarray(upd["w"]), [-0.1, -0.1])
 
 
 # -- the inner update is not computed mid-window --------------------------------
+
 
 def test_inner_update_runs_only_at_a_close():
   calls = []
@@ -340,19 +371,20 @@ def test_inner_update_runs_only_at_a_close():
     return sgd.update(updates, state, params)
 
   tx = wa.weighted_multi_steps(
-      optax.GradientTransformation(sgd.init, counting_update), 3)
+    optax.GradientTransformation(sgd.init, counting_update), 3
+  )
   step = _make_step(tx, "mean")
   windows = [_data([2, 3, 1], 50), _data([1, 1, 4], 51), _data([5, 2], 52)]
   got, state = _run(step, tx, _init_params(), windows)
   jax.effects_barrier()
-  assert len(calls) == 2   # 8 microbatches: two closed windows of 3
+  assert len(calls) == 2  # 8 microbatches: two closed windows of 3
   assert int(wa.window_counters(state)["mini_step"]) == 2
 
 
 # -- 5. nnx.Optimizer + nnx.jit -------------------------------------------------------
 
-class _MLP(nnx.Module):
 
+class _MLP(nnx.Module):
   def __init__(self, rngs):
     self.hidden = nnx.Linear(D, H, rngs=rngs)
     self.out = nnx.Linear(H, 1, rngs=rngs)
@@ -404,6 +436,7 @@ def test_nnx_optimizer_matches_reference():
 
 # -- 5. jax.jit with donation: one compilation, in place -------------------------
 
+
 def test_donated_step_compiles_once_over_100_weights():
   traces = []
   tx = wa.weighted_multi_steps(optax.adamw(1e-3), 4)
@@ -451,8 +484,11 @@ def test_mid_window_step_is_in_place(inner_name):
     updates, state = tx.update(grads, state, params, weight=weight)
     return optax.apply_updates(params, updates), state
 
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      params, state, params, 3.0).compile()
+  compiled = (
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(params, state, params, 3.0)
+    .compile()
+  )
   m = compiled.memory_analysis()
   p_bytes = _nbytes(params)
   big = [x for x in jax.tree.leaves(state) if x.size == n]
@@ -463,8 +499,10 @@ def test_mid_window_step_is_in_place(inner_name):
 
 # -- 5. shard_map over a data axis ------------------------------------------------------
 
-@pytest.mark.parametrize("mode,local", [("mean", True), ("sum", True),
-                                        ("sum", False)])
+
+@pytest.mark.parametrize(
+  "mode,local", [("mean", True), ("sum", True), ("sum", False)]
+)
 def test_shard_map_data_parallel_matches_reference(mode, local):
   """Replicated params and state (P()), the batch sharded over 'data'.
   Local grads (params cast to varying) and, for loss sums, grads already
@@ -482,10 +520,14 @@ def test_shard_map_data_parallel_matches_reference(mode, local):
     updates, state = tx.update(g, state, params, weight=jnp.sum(mask))
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(jax.shard_map(
-      local_step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data"),
-                                       P("data")),
-      out_specs=(P(), P())))
+  step = jax.jit(
+    jax.shard_map(
+      local_step,
+      mesh=mesh,
+      in_specs=(P(), P(), P("data"), P("data"), P("data")),
+      out_specs=(P(), P()),
+    )
+  )
   # Two windows of 2 microbatches; every replica holds a different number
   # of valid rows, replica 3 none at all in the first microbatch.
   rng = np.random.default_rng(7)
@@ -501,39 +543,49 @@ def test_shard_map_data_parallel_matches_reference(mode, local):
       x, y, mask = _data(list(sizes[w, m]), 100 + 10 * w + m)  # [r, MAXB]
       params, state = step(params, state, x, y, mask)
       xs.append(x), ys.append(y), ms.append(mask)
-    windows.append((np.concatenate(xs), np.concatenate(ys),
-                    np.concatenate(ms)))
+    windows.append((np.concatenate(xs), np.concatenate(ys), np.concatenate(ms)))
   assert int(state.gradient_step) == 2
-  _assert_close(params, _reference(INNERS["adamw"](), _init_params(),
-                                   windows)[0])
+  _assert_close(
+    params, _reference(INNERS["adamw"](), _init_params(), windows)[0]
+  )
 
 
 def test_jit_sharded_params_keep_shardings():
   """Params sharded over 'model' on a 4x2 mesh, batch over 'data': buffers,
   inner state and params keep the params' shardings through update, and
   the compiled step gathers nothing."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2),
-                           ("data", "model"))
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()).reshape(4, 2), ("data", "model")
+  )
   shardings = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model")}
   params = jax.device_put(
-      _fresh(_init_params()),
-      {k: jax.sharding.NamedSharding(mesh, v) for k, v in shardings.items()})
+    _fresh(_init_params()),
+    {k: jax.sharding.NamedSharding(mesh, v) for k, v in shardings.items()},
+  )
   tx = wa.weighted_multi_steps(INNERS["adamw"](), 2)
   step = _make_step(tx, "mean")
   state = tx.init(params)
-  x, y, mask = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data")))
-                for a in _data([3] * 4, 0)[:3])
+  x, y, mask = (
+    jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data")))
+    for a in _data([3] * 4, 0)[:3]
+  )
   x, y, mask = x.reshape(-1, D), y.reshape(-1), mask.reshape(-1)
-  hlo = step.lower(params, state, x, y, mask, jnp.bool_(False)).compile(
-      ).as_text()
+  hlo = (
+    step.lower(params, state, x, y, mask, jnp.bool_(False)).compile().as_text()
+  )
   assert "all-gather" not in hlo
   for _ in range(3):
     params, state = step(params, state, x, y, mask, jnp.bool_(False))
   for name, spec in shardings.items():
-    for arr in (params[name], state.accum.grads[name],
-                state.inner_state[0].mu[name], state.inner_state[0].nu[name]):
+    for arr in (
+      params[name],
+      state.accum.grads[name],
+      state.inner_state[0].mu[name],
+      state.inner_state[0].nu[name],
+    ):
       assert arr.sharding.is_equivalent_to(
-          jax.sharding.NamedSharding(mesh, spec), arr.ndim), name
+        jax.sharding.NamedSharding(mesh, spec), arr.ndim
+      ), name
 
 
 def test_shard_map_refuses_autodiff_reduced_grads():
@@ -544,17 +596,22 @@ def test_shard_map_refuses_autodiff_reduced_grads():
     g = jax.grad(_mean_loss)(params, x[0], y[0], mask[0])  # unvarying params
     return tx.update(g, state, params, weight=jnp.sum(mask))
 
-  step = jax.shard_map(local_step, mesh=mesh,
-                       in_specs=(P(), P(), P("data"), P("data"), P("data")),
-                       out_specs=(P(), P()))
-  params = jax.device_put(_fresh(_init_params()),
-                          jax.sharding.NamedSharding(mesh, P()))
+  step = jax.shard_map(
+    local_step,
+    mesh=mesh,
+    in_specs=(P(), P(), P("data"), P("data"), P("data")),
+    out_specs=(P(), P()),
+  )
+  params = jax.device_put(
+    _fresh(_init_params()), jax.sharding.NamedSharding(mesh, P())
+  )
   x, y, mask = _data([2] * len(jax.devices()), 0)
   with pytest.raises(wa.WeightedAccumulationError, match="pcast"):
     jax.jit(step)(params, tx.init(params), x, y, mask)
 
 
 # -- errors ----------------------------------------------------------------------------------
+
 
 def test_configuration_errors():
   with pytest.raises(wa.WeightedAccumulationError, match="every_k"):
@@ -583,7 +640,7 @@ def test_update_errors_leave_state_untouched():
   with pytest.raises(wa.WeightedAccumulationError, match=r"\['b'\]"):
     tx.update(g, state, {"a": jnp.ones(2)}, weight=1.0)
   with pytest.raises(TypeError, match="weight"):
-    tx.update(g, state, params)   # pylint: disable=missing-kwoa
+    tx.update(g, state, params)  # pylint: disable=missing-kwoa
   assert int(state.mini_step) == 0 and int(state.accum.issued) == 0
 
 
@@ -595,19 +652,22 @@ def test_invalid_traced_weight_rejects_microbatch():
   _, state = upd_fn({"w": jnp.ones(2)}, state, weight=jnp.float32(jnp.nan))
   assert int(wa.window_counters(state)["rejected"]) == 1
   _, state = upd_fn({"w": jnp.ones(2)}, state, weight=jnp.float32(2.0))
-  upd, state = upd_fn({"w": jnp.full(2, 4.0)}, state,
-                      weight=jnp.float32(2.0))
+  upd, state = upd_fn({"w": jnp.full(2, 4.0)}, state, weight=jnp.float32(2.0))
   assert bool(wa.has_updated(state))
   np.testing.assert_allclose(np.asarray(upd["w"]), [-2.5, -2.5])
 
 
 # -- README ------------------------------------------------------------------------------------
 
+
 def test_readme_optax_section_runs(capsys):
   """The README's optax and NNX examples run and print what they claim."""
-  readme = (pathlib.Path(__file__).parent.parent / "docs" / "optax.md").read_text()
-  section = readme.split("<!-- BEGIN optax -->")[1].split(
-      "<!-- END optax -->")[0]
+  readme = (
+    pathlib.Path(__file__).parent.parent / "docs" / "optax.md"
+  ).read_text()
+  section = readme.split("<!-- BEGIN optax -->")[1].split("<!-- END optax -->")[
+    0
+  ]
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)
   assert len(blocks) == 2
   for block in blocks:
@@ -620,12 +680,12 @@ def test_float16_buffers_window_mean_beyond_float16_range_is_not_inf():
   mean (1000 / 0.01 = 1e5) does not. With float32 params the inner
   optimizer must get the exact float32 mean, not a float16 Inf that the
   window's validity check (on the sums) cannot see."""
-  tx = wa.weighted_multi_steps(optax.sgd(1.0), 1, mode="sum",
-                               dtype=jnp.float16)
+  tx = wa.weighted_multi_steps(optax.sgd(1.0), 1, mode="sum", dtype=jnp.float16)
   params = {"w": jnp.ones(2)}
   step = jax.jit(lambda g, s, p: tx.update(g, s, p, weight=0.01))
   upd, state = step({"w": jnp.full(2, 1000.0)}, tx.init(params), params)
   assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
   want = -np.float64(np.float16(1000.0)) / np.float64(np.float32(0.01))
-  np.testing.assert_allclose(np.asarray(upd["w"], np.float64), [want] * 2,
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(upd["w"], np.float64), [want] * 2, rtol=1e-6
+  )

@@ -26,9 +26,9 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def _assert_close(tree, ref, rtol=RTOL, atol=ATOL):
   for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)):
-    np.testing.assert_allclose(np.asarray(a, np.float64),
-                               np.asarray(b, np.float64), rtol=rtol,
-                               atol=atol)
+    np.testing.assert_allclose(
+      np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=rtol, atol=atol
+    )
 
 
 def _data(seed, k=3, rows=4, sizes=None):
@@ -36,8 +36,9 @@ def _data(seed, k=3, rows=4, sizes=None):
   sizes = r.integers(1, rows + 1, size=k) if sizes is None else sizes
   x = jnp.asarray(r.normal(size=(k, rows, 2)), jnp.float32)
   y = jnp.asarray(r.normal(size=(k, rows)), jnp.float32)
-  mask = jnp.asarray(np.arange(rows)[None] < np.asarray(sizes)[:, None],
-                     jnp.float32)
+  mask = jnp.asarray(
+    np.arange(rows)[None] < np.asarray(sizes)[:, None], jnp.float32
+  )
   return x, y, mask
 
 
@@ -62,13 +63,15 @@ def _reference(inner, params, windows):
 
 # -- interface ------------------------------------------------------------------
 
+
 def test_state_has_multisteps_fields_and_methods():
   tx = wa.WeightedMultiSteps(optax.adam(0.1), 2)
   state = tx.init(_params())
   assert state._fields[:5] == optax.MultiStepsState._fields
   assert tx.inner_opt.init is not None
-  assert isinstance(tx.gradient_transformation(),
-                    optax.GradientTransformationExtraArgs)
+  assert isinstance(
+    tx.gradient_transformation(), optax.GradientTransformationExtraArgs
+  )
   assert not bool(tx.has_updated(state))
   g = jax.tree.map(jnp.ones_like, _params())
   for _ in range(2):
@@ -81,10 +84,11 @@ def test_state_has_multisteps_fields_and_methods():
 def test_functional_form_builds_the_same_transformation():
   windows = [_data(1), _data(2)]
   results = []
-  for tx in (wa.weighted_multi_steps(optax.adamw(0.05), every_k=3),
-             wa.WeightedMultiSteps(optax.adamw(0.05),
-                                   3).gradient_transformation(),
-             wa.weighted_multi_steps(optax.adamw(0.05), lambda s: 3)):
+  for tx in (
+    wa.weighted_multi_steps(optax.adamw(0.05), every_k=3),
+    wa.WeightedMultiSteps(optax.adamw(0.05), 3).gradient_transformation(),
+    wa.weighted_multi_steps(optax.adamw(0.05), lambda s: 3),
+  ):
     params, state = _params(), None
     state = tx.init(params)
     for x, y, mask in windows:
@@ -96,14 +100,16 @@ def test_functional_form_builds_the_same_transformation():
   for params, state in results[1:]:
     _assert_close(params, results[0][0], rtol=0, atol=0)
     assert jax.tree.structure(state) == jax.tree.structure(results[0][1])
-  _assert_close(results[0][0], _reference(optax.adamw(0.05), _params(),
-                                          windows))
+  _assert_close(
+    results[0][0], _reference(optax.adamw(0.05), _params(), windows)
+  )
 
 
 def test_callable_schedule_is_traced_and_never_recompiles():
   traces = []
-  tx = wa.WeightedMultiSteps(optax.sgd(1.0),
-                             lambda step: jnp.where(step < 2, 1, 3))
+  tx = wa.WeightedMultiSteps(
+    optax.sgd(1.0), lambda step: jnp.where(step < 2, 1, 3)
+  )
 
   def step(params, state, g, w):
     traces.append(1)
@@ -115,8 +121,9 @@ def test_callable_schedule_is_traced_and_never_recompiles():
   state = tx.init(params)
   closes = []
   for i in range(8):
-    params, state = jstep(params, state, {"w": jnp.full(2, float(i))},
-                          float(i + 1))
+    params, state = jstep(
+      params, state, {"w": jnp.full(2, float(i))}, float(i + 1)
+    )
     closes.append(bool(wa.has_updated(state)))
   assert len(traces) == 1
   assert closes == [True, True, False, False, True, False, False, True]
@@ -129,44 +136,47 @@ def test_callable_schedule_is_traced_and_never_recompiles():
 @pytest.mark.parametrize("mode", ["mean", "sum"])
 def test_use_grad_mean_false_hands_over_the_weighted_sum(mode):
   scale = 8.0
-  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, use_grad_mean=False,
-                             mode=mode, loss_scale=scale)
+  tx = wa.WeightedMultiSteps(
+    optax.sgd(1.0), 2, use_grad_mean=False, mode=mode, loss_scale=scale
+  )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   gs = [np.array([1.0, -2.0]), np.array([3.0, 0.5])]
   ws = [3.0, 5.0]
   for g, w in zip(gs, ws):
-    u, state = tx.update({"w": jnp.asarray(scale * g, jnp.float32)}, state,
-                         params, weight=w)
+    u, state = tx.update(
+      {"w": jnp.asarray(scale * g, jnp.float32)}, state, params, weight=w
+    )
   # mean: sum_i w_i g_i; sum: sum_i g_i; never divided by the weight, and
   # unscaled by the loss scale.
-  want = (sum(w * g for g, w in zip(gs, ws)) if mode == "mean"
-          else sum(gs))
+  want = sum(w * g for g, w in zip(gs, ws)) if mode == "mean" else sum(gs)
   np.testing.assert_allclose(np.asarray(u["w"]), -want, rtol=1e-6)
 
 
 def test_should_skip_update_fn_skips_one_microbatch_and_counts_it():
-  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2,
-                             should_skip_update_fn=optax.skip_not_finite)
+  tx = wa.WeightedMultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+  )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   assert set(state.skip_state) == {"should_skip", "num_not_finite"}
   update = jax.jit(tx.update)
   _, state = update({"w": jnp.array([1.0, 2.0])}, state, params, weight=3.0)
-  _, state = update({"w": jnp.array([jnp.nan, 2.0])}, state, params,
-                    weight=5.0)
+  _, state = update({"w": jnp.array([jnp.nan, 2.0])}, state, params, weight=5.0)
   assert int(state.mini_step) == 1 and int(state.skipped) == 1
   assert bool(state.skip_state["should_skip"])
   assert int(wa.window_counters(state)["issued"]) == 1
   u, state = update({"w": jnp.array([5.0, -2.0])}, state, params, weight=1.0)
   assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
-  np.testing.assert_allclose(np.asarray(u["w"]),
-                             [-(3 * 1 + 5) / 4, -(3 * 2 - 2) / 4])
+  np.testing.assert_allclose(
+    np.asarray(u["w"]), [-(3 * 1 + 5) / 4, -(3 * 2 - 2) / 4]
+  )
 
 
 def test_inject_hyperparams_learning_rate_read_and_changed_under_jit():
-  tx = wa.WeightedMultiSteps(optax.inject_hyperparams(optax.sgd)(
-      learning_rate=0.1), 2)
+  tx = wa.WeightedMultiSteps(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 2
+  )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
 
@@ -193,13 +203,16 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 @pytest.mark.parametrize("grad_dtype", DTYPES, ids=lambda d: d.__name__)
 @pytest.mark.parametrize("param_dtype", DTYPES, ids=lambda d: d.__name__)
-def test_mixed_precision_dtype_and_finiteness_as_multisteps(param_dtype,
-                                                            grad_dtype):
+def test_mixed_precision_dtype_and_finiteness_as_multisteps(
+  param_dtype, grad_dtype
+):
   """Adam over two windows: the updates have MultiSteps' dtypes, are finite
   where its are, and (weight 1) agree with its to the grads' precision."""
   params = {"w": jnp.array([1.0, -2.0, 3.0], param_dtype)}
-  grads = [{"w": jnp.array(g, grad_dtype)}
-           for g in ([0.5, -1.0, 2.0], [1.5, 0.25, -3.0])] * 2
+  grads = [
+    {"w": jnp.array(g, grad_dtype)}
+    for g in ([0.5, -1.0, 2.0], [1.5, 0.25, -3.0])
+  ] * 2
   ours = wa.WeightedMultiSteps(optax.adam(0.1), 2)
   theirs = optax.MultiSteps(optax.adam(0.1), 2)
   s_ours, s_theirs = ours.init(params), theirs.init(params)
@@ -210,24 +223,29 @@ def test_mixed_precision_dtype_and_finiteness_as_multisteps(param_dtype,
     finite = np.isfinite(np.asarray(u_theirs["w"], np.float32))
     assert np.all(np.isfinite(np.asarray(u_ours["w"], np.float32))[finite])
     tol = 1e-6 if jnp.dtype(grad_dtype) == jnp.float32 else 1e-2
-    np.testing.assert_allclose(np.asarray(u_ours["w"], np.float32),
-                               np.asarray(u_theirs["w"], np.float32),
-                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+      np.asarray(u_ours["w"], np.float32),
+      np.asarray(u_theirs["w"], np.float32),
+      rtol=tol,
+      atol=tol,
+    )
 
 
 def test_float16_params_float32_grads_get_float32_window():
   """The window reaches Adam in float32 (as MultiSteps hands it), never as a
   float16 mean that overflows: the updates are finite and exact."""
   params = {"w": jnp.array([1.0, -1.0], jnp.float16)}
-  g = {"w": jnp.array([1e5, -3e5], jnp.float32)}   # beyond float16's range
+  g = {"w": jnp.array([1e5, -3e5], jnp.float32)}  # beyond float16's range
   tx = wa.WeightedMultiSteps(optax.adam(0.1), 1)
   u, state = jax.jit(tx.update)(g, tx.init(params), params, weight=1)
   assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
   ref, _ = optax.MultiSteps(optax.adam(0.1), 1).update(
-      g, optax.MultiSteps(optax.adam(0.1), 1).init(params), params)
+    g, optax.MultiSteps(optax.adam(0.1), 1).init(params), params
+  )
   assert u["w"].dtype == ref["w"].dtype
-  np.testing.assert_allclose(np.asarray(u["w"], np.float32),
-                             np.asarray(ref["w"], np.float32), rtol=1e-3)
+  np.testing.assert_allclose(
+    np.asarray(u["w"], np.float32), np.asarray(ref["w"], np.float32), rtol=1e-3
+  )
   assert np.all(np.isfinite(np.asarray(u["w"], np.float32)))
 
 
@@ -236,27 +254,40 @@ def test_window_with_nonfinite_updates_is_not_applied():
   float16): nothing applied, flagged and counted; the next window with
   finite updates applies."""
   params = {"w": jnp.ones(2, jnp.float16)}
-  square = optax.stateless(lambda u, p: jax.tree.map(
-      lambda x: x * x * jnp.float16(1e3), u))
+  square = optax.stateless(
+    lambda u, p: jax.tree.map(lambda x: x * x * jnp.float16(1e3), u)
+  )
   tx = wa.WeightedMultiSteps(square, 1)
   update = jax.jit(tx.update)
   state = tx.init(params)
-  u, state = update({"w": jnp.full(2, 10.0, jnp.float16)}, state, params,
-                    weight=1)   # 1e5 > float16's max
+  u, state = update(
+    {"w": jnp.full(2, 10.0, jnp.float16)}, state, params, weight=1
+  )  # 1e5 > float16's max
   np.testing.assert_array_equal(np.asarray(u["w"]), [0, 0])
   assert bool(state.nonfinite) and int(state.nonfinite_windows) == 1
   assert not bool(wa.has_updated(state)) and int(state.gradient_step) == 0
-  u, state = update({"w": jnp.full(2, 2.0, jnp.float16)}, state, params,
-                    weight=1)
+  u, state = update(
+    {"w": jnp.full(2, 2.0, jnp.float16)}, state, params, weight=1
+  )
   assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
   np.testing.assert_array_equal(np.asarray(u["w"], np.float32), [4e3, 4e3])
 
 
 # -- the wrapper's defects from the reliability review --------------------------
 
-@pytest.mark.parametrize("bad,needle", [
-    (2**31, "every_k"), (-1, "every_k"), (0, "every_k"), (2.0, "every_k"),
-    (True, "every_k"), ("3", "every_k"), (np.int64(2**40), "every_k")])
+
+@pytest.mark.parametrize(
+  "bad,needle",
+  [
+    (2**31, "every_k"),
+    (-1, "every_k"),
+    (0, "every_k"),
+    (2.0, "every_k"),
+    (True, "every_k"),
+    ("3", "every_k"),
+    (np.int64(2**40), "every_k"),
+  ],
+)
 def test_bad_every_k_raises_naming_it(bad, needle):
   with pytest.raises(wa.WeightedAccumulationError, match=needle):
     wa.weighted_multi_steps(optax.sgd(0.1), bad)
@@ -266,12 +297,15 @@ def test_bad_every_k_raises_naming_it(bad, needle):
 
 def test_every_k_at_the_int32_limit_is_accepted():
   tx = wa.weighted_multi_steps(optax.sgd(0.1), 2**31 - 1)
-  _, state = tx.update({"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}),
-                       weight=1)
+  _, state = tx.update(
+    {"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), weight=1
+  )
   assert int(state.mini_step) == 1
 
 
-@pytest.mark.parametrize("kwargs,needle", [
+@pytest.mark.parametrize(
+  "kwargs,needle",
+  [
     (dict(use_grad_mean=1), "use_grad_mean"),
     (dict(use_grad_mean="yes"), "use_grad_mean"),
     (dict(should_skip_update_fn=3), "should_skip_update_fn"),
@@ -282,7 +316,8 @@ def test_every_k_at_the_int32_limit_is_accepted():
     (dict(loss_scale=-1.0), "loss_scale"),
     (dict(axis_name=3), "axis_name"),
     (dict(axis_name=""), "axis_name"),
-])
+  ],
+)
 def test_bad_constructor_arguments_raise_naming_them(kwargs, needle):
   with pytest.raises(wa.WeightedAccumulationError, match=needle):
     wa.WeightedMultiSteps(optax.sgd(0.1), 2, **kwargs)
@@ -317,6 +352,7 @@ def test_zero_weight_close_keeps_next_loss_scale():
 
 # -- dynamic loss scaling --------------------------------------------------------
 
+
 def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
   """Scripted windows of float16 grads of a loss times the open window's
   scale: an overflowing window is skipped (inner state untouched) and the
@@ -324,8 +360,7 @@ def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
   equal a float32 SGD reference over the applied windows."""
   lr, interval = 0.5, 2
   scaler = wa.DynamicLossScale(2.0**14, growth_interval=interval)
-  tx = wa.WeightedMultiSteps(optax.adam(lr), 2, mode="sum",
-                             loss_scale=scaler)
+  tx = wa.WeightedMultiSteps(optax.adam(lr), 2, mode="sum", loss_scale=scaler)
   ref_tx = optax.adam(lr)
   params = {"w": jnp.array([1.0, -2.0], jnp.float32)}
   ref_params, ref_state = params, ref_tx.init(params)
@@ -351,8 +386,9 @@ def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
       params, state = step(params, state, jnp.asarray(g), w)
     if i == 0:
       assert bool(state.nonfinite) and not bool(wa.has_updated(state))
-      for a, b in zip(jax.tree.leaves(state.inner_opt_state),
-                      jax.tree.leaves(inner_before)):
+      for a, b in zip(
+        jax.tree.leaves(state.inner_opt_state), jax.tree.leaves(inner_before)
+      ):
         np.testing.assert_array_equal(np.asarray(a), b)
       continue
     assert bool(wa.has_updated(state))
@@ -360,8 +396,9 @@ def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
     # scale it was accumulated with.
     s = scales[-1]
     g16 = sum(np.float64(np.float16(s * g)) for g in gs) / s / sum(ws)
-    u, ref_state = ref_tx.update({"w": jnp.asarray(g16, jnp.float32)},
-                                 ref_state, ref_params)
+    u, ref_state = ref_tx.update(
+      {"w": jnp.asarray(g16, jnp.float32)}, ref_state, ref_params
+    )
     ref_params = optax.apply_updates(ref_params, u)
   assert scales == [2.0**14, 2.0**13, 2.0**13, 2.0**14, 2.0**14]
   assert float(state.loss_scaler.scale) == 2.0**15
@@ -370,8 +407,9 @@ def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
 
 
 def test_dynamic_loss_scale_refuses_next_loss_scale():
-  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2,
-                               loss_scale=wa.DynamicLossScale(4.0))
+  tx = wa.weighted_multi_steps(
+    optax.sgd(0.1), 2, loss_scale=wa.DynamicLossScale(4.0)
+  )
   params = {"w": jnp.ones(1)}
   with pytest.raises(wa.WeightedAccumulationError, match="next_loss_scale"):
     tx.update(params, tx.init(params), params, weight=1, next_loss_scale=2.0)
@@ -379,45 +417,64 @@ def test_dynamic_loss_scale_refuses_next_loss_scale():
 
 # -- checkpoints -------------------------------------------------------------------
 
+
 def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
   """Mid-window state with a dynamic loss scale and a skip state, saved with
   AccumSave and restored into a fresh template, continues exactly as the
   uninterrupted run."""
+
   def make():
     return wa.WeightedMultiSteps(
-        optax.adamw(0.05), 3, should_skip_update_fn=optax.skip_not_finite,
-        loss_scale=wa.DynamicLossScale(8.0, growth_interval=1))
+      optax.adamw(0.05),
+      3,
+      should_skip_update_fn=optax.skip_not_finite,
+      loss_scale=wa.DynamicLossScale(8.0, growth_interval=1),
+    )
 
   tx = make()
-  step = jax.jit(lambda p, s, g, w: (lambda u, s: (
-      optax.apply_updates(p, u), s))(*tx.update(g, s, p, weight=w)))
-  gs = [{"w": jnp.array([float(i), 1.0 - i]), "b": jnp.array(0.5 * i)}
-        for i in range(8)]
+  step = jax.jit(
+    lambda p, s, g, w: (lambda u, s: (optax.apply_updates(p, u), s))(
+      *tx.update(g, s, p, weight=w)
+    )
+  )
+  gs = [
+    {"w": jnp.array([float(i), 1.0 - i]), "b": jnp.array(0.5 * i)}
+    for i in range(8)
+  ]
   run = lambda p, s, lo, hi: functools.reduce(
-      lambda c, i: step(c[0], c[1], gs[i], float(i + 1)), range(lo, hi),
-      (p, s))
+    lambda c, i: step(c[0], c[1], gs[i], float(i + 1)), range(lo, hi), (p, s)
+  )
   want_p, want_s = run(_params(), tx.init(_params()), 0, 8)
   params, state = run(_params(), tx.init(_params()), 0, 4)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    mngr.save(4, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt=wa.AccumSave(state)))
+    mngr.save(
+      4,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), opt=wa.AccumSave(state)
+      ),
+    )
   tx2 = make()
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    got = mngr.restore(4, args=ocp.args.Composite(
+    got = mngr.restore(
+      4,
+      args=ocp.args.Composite(
         params=ocp.args.StandardRestore(params),
-        opt=wa.AccumRestore(tx2.init(_params()))))
+        opt=wa.AccumRestore(tx2.init(_params())),
+      ),
+    )
   assert int(got.opt.mini_step) == 1 and int(got.opt.gradient_step) == 1
   assert float(got.opt.loss_scaler.scale) == float(state.loss_scaler.scale)
   params, state = run(got.params, got.opt, 4, 8)
-  for a, b in zip(jax.tree.leaves((params, state)),
-                  jax.tree.leaves((want_p, want_s))):
+  for a, b in zip(
+    jax.tree.leaves((params, state)), jax.tree.leaves((want_p, want_s))
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # -- Flax linen TrainState -------------------------------------------------------
 
-class _Linen(nn.Module):
 
+class _Linen(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(1)(jnp.tanh(nn.Dense(3)(x)))[..., 0]
@@ -425,7 +482,8 @@ class _Linen(nn.Module):
 
 def _linen_loss(apply_fn, params, x, y, mask):
   return jnp.sum(mask * (apply_fn({"params": params}, x) - y) ** 2) / (
-      jnp.sum(mask))
+    jnp.sum(mask)
+  )
 
 
 def _linen_setup():
@@ -437,15 +495,18 @@ def _linen_setup():
 @jax.jit
 def _linen_step(state, x, y, mask):
   grads = jax.grad(functools.partial(_linen_loss, state.apply_fn))(
-      state.params, x, y, mask)
+    state.params, x, y, mask
+  )
   return state.apply_gradients(grads=grads, weight=jnp.sum(mask))
 
 
 def test_linen_train_state_matches_full_batch_reference():
   model, params = _linen_setup()
   state = wa.TrainState.create(
-      apply_fn=model.apply, params=params,
-      tx=wa.WeightedMultiSteps(optax.adamw(0.05), 3))
+    apply_fn=model.apply,
+    params=params,
+    tx=wa.WeightedMultiSteps(optax.adamw(0.05), 3),
+  )
   windows = [_data(10), _data(11, sizes=[4, 1, 2]), _data(12)]
   for x, y, mask in windows:
     for i in range(3):
@@ -457,7 +518,8 @@ def test_linen_train_state_matches_full_batch_reference():
   for x, y, mask in windows:
     flat = lambda a: a.reshape((-1,) + a.shape[2:])
     g = jax.grad(functools.partial(_linen_loss, model.apply))(
-        ref, flat(x), flat(y), flat(mask))
+      ref, flat(x), flat(y), flat(mask)
+    )
     u, ref_state = inner.update(g, ref_state, ref)
     ref = optax.apply_updates(ref, u)
   _assert_close(state.params, ref)
@@ -466,16 +528,21 @@ def test_linen_train_state_matches_full_batch_reference():
 def test_linen_train_state_finish_closes_a_short_window():
   model, params = _linen_setup()
   state = wa.TrainState.create(
-      apply_fn=model.apply, params=params,
-      tx=wa.weighted_multi_steps(optax.sgd(0.1), None))
+    apply_fn=model.apply,
+    params=params,
+    tx=wa.weighted_multi_steps(optax.sgd(0.1), None),
+  )
   x, y, mask = _data(20, k=2)
   grads = jax.grad(functools.partial(_linen_loss, model.apply))(
-      params, x[0], y[0], mask[0])
-  state = state.apply_gradients(grads=grads, weight=jnp.sum(mask[0]),
-                                finish=True)
+    params, x[0], y[0], mask[0]
+  )
+  state = state.apply_gradients(
+    grads=grads, weight=jnp.sum(mask[0]), finish=True
+  )
   assert bool(wa.has_updated(state.opt_state))
-  _assert_close(state.params, jax.tree.map(lambda p, g: p - 0.1 * g, params,
-                                           grads))
+  _assert_close(
+    state.params, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  )
 
 
 def test_linen_train_state_orbax_round_trip(tmp_path):
@@ -487,14 +554,15 @@ def test_linen_train_state_orbax_round_trip(tmp_path):
   full = state
   for mb in micro:
     full = _linen_step(full, *mb)
-  for mb in micro[:4]:        # mid-window 2
+  for mb in micro[:4]:  # mid-window 2
     state = _linen_step(state, *mb)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
     mngr.save(4, args=ocp.args.Composite(state=wa.AccumSave(state)))
   fresh = wa.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    restored = mngr.restore(4, args=ocp.args.Composite(
-        state=wa.AccumRestore(fresh))).state
+    restored = mngr.restore(
+      4, args=ocp.args.Composite(state=wa.AccumRestore(fresh))
+    ).state
   assert isinstance(restored, wa.TrainState) and int(restored.step) == 4
   assert int(wa.window_counters(restored.opt_state)["mini_step"]) == 1
   for mb in micro[4:]:
@@ -516,15 +584,16 @@ def _regions():
   for page in _PAGES:
     text = (_DOCS / page).read_text()
     assert text.count("```python") == sum(
-        len(_BLOCK.findall(m.group(2))) for m in _REGION.finditer(text)), (
-            f"docs/{page}: a python block outside a BEGIN/END region")
+      len(_BLOCK.findall(m.group(2))) for m in _REGION.finditer(text)
+    ), f"docs/{page}: a python block outside a BEGIN/END region"
     for m in _REGION.finditer(text):
       yield pytest.param(page, m.group(2), id=f"{page}::{m.group(1)}")
 
 
 @pytest.mark.parametrize("page,region", list(_regions()))
-def test_docs_examples_run_and_print_what_they_claim(page, region, capsys,
-                                                     tmp_path, monkeypatch):
+def test_docs_examples_run_and_print_what_they_claim(
+  page, region, capsys, tmp_path, monkeypatch
+):
   """Each BEGIN/END region of docs/optax.md and docs/migration.md runs in a
   fresh namespace; a ``print(...)  # expected`` line states its output."""
   monkeypatch.chdir(tmp_path)

@@ -11,16 +11,17 @@ from __future__ import annotations
 import itertools
 import math
 
+from flax import nnx
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
-from flax import nnx
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import weighted_accum as wa
 from weighted_accum import toy
@@ -33,8 +34,9 @@ PARAMS = jax.tree.map(jnp.asarray, nnx.to_pure_dict(PARAMS))
 
 def _loss(params, batch, kind):
   model = nnx.merge(GRAPHDEF, nnx.State(params))
-  return toy.sum_loss(model, batch) if kind == "sum" else toy.mean_loss(
-      model, batch)
+  return (
+    toy.sum_loss(model, batch) if kind == "sum" else toy.mean_loss(model, batch)
+  )
 
 
 _grad = jax.jit(jax.grad(_loss), static_argnums=2)
@@ -74,6 +76,7 @@ def _window(bounds, kinds, params=PARAMS, state=None):
 def _step(variant, tx, **kw):
   def step(state, params, opt_state):
     return wa.apply_window(tx, state, params, opt_state, **kw)
+
   return variant(step, donate_argnums=(0, 1, 2))
 
 
@@ -89,30 +92,38 @@ def splits(draw):
   n = BATCH.lengths.shape[0]
   cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=4)))
   bounds = [0, *cuts, n]
-  kinds = draw(st.lists(st.sampled_from(["sum", "mean"]),
-                        min_size=len(bounds) - 1, max_size=len(bounds) - 1))
+  kinds = draw(
+    st.lists(
+      st.sampled_from(["sum", "mean"]),
+      min_size=len(bounds) - 1,
+      max_size=len(bounds) - 1,
+    )
+  )
   return list(itertools.pairwise(bounds)), kinds
 
 
 # Optimizers linear in the gradient (Adam's first step is sign(g), which a
 # relative comparison of rounding-level differences cannot check).
 def _linear_tx():
-  return optax.chain(optax.add_decayed_weights(1e-3),
-                     optax.sgd(0.5, momentum=0.9))
+  return optax.chain(
+    optax.add_decayed_weights(1e-3), optax.sgd(0.5, momentum=0.9)
+  )
 
 
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 @settings(max_examples=8)
 @given(split=splits())
 def test_any_split_equals_full_batch_optimizer_step(jitted, split):
-  variant = (lambda f, **kw: jax.jit(f, **kw)) if jitted else (
-      lambda f, **kw: f)
+  variant = (
+    (lambda f, **kw: jax.jit(f, **kw)) if jitted else (lambda f, **kw: f)
+  )
   tx = _linear_tx()
   opt_state = tx.init(PARAMS)
   ref_params, ref_opt = _reference(tx, PARAMS, opt_state)
   state = _window(*split)
   params, new_opt, state, out = _step(variant, tx)(
-      state, _copy(PARAMS), _copy(opt_state))
+    state, _copy(PARAMS), _copy(opt_state)
+  )
   assert bool(out.valid) and bool(out.finite)
   assert out.grads is None
   assert float(out.weight) == float(toy.weight(BATCH))
@@ -133,10 +144,13 @@ def test_two_windows_match_two_full_batch_steps(variant):
   state = wa.init(params)
   for halves in ((0, 6, 12), (0, 2, 12)):
     ref_params, ref_opt = _reference(tx, ref_params, ref_opt)
-    state = _window([(halves[0], halves[1]), (halves[1], halves[2])],
-                    ["mean", "sum"], params=params, state=state)
-    params, opt_state, state, out = step(state, _copy(params),
-                                         _copy(opt_state))
+    state = _window(
+      [(halves[0], halves[1]), (halves[1], halves[2])],
+      ["mean", "sum"],
+      params=params,
+      state=state,
+    )
+    params, opt_state, state, out = step(state, _copy(params), _copy(opt_state))
     assert bool(out.valid)
   delta = jax.tree.map(lambda a, b: a - b, params, PARAMS)
   ref_delta = jax.tree.map(lambda a, b: a - b, ref_params, PARAMS)
@@ -155,10 +169,9 @@ def test_zero_weight_window_changes_nothing_and_stays_open(variant):
   # A fully masked microbatch: weight 0, mean-loss grads 0/0 = NaN.
   state = wa.accumulate_mean(state, {"w": jnp.full(3, jnp.nan)}, 0)
   before = _bits((params, opt_state))
-  new_params, new_opt, new_state, out = _step(variant, tx,
-                                              next_loss_scale=4.0)(
-                                                  state, _copy(params),
-                                                  _copy(opt_state))
+  new_params, new_opt, new_state, out = _step(variant, tx, next_loss_scale=4.0)(
+    state, _copy(params), _copy(opt_state)
+  )
   assert not bool(out.valid) and bool(out.finite)
   assert _bits((new_params, new_opt)) == before
   assert int(new_opt[0].count) == 1  # the inner optimizer did not advance
@@ -174,16 +187,17 @@ def test_zero_weight_window_changes_nothing_and_stays_open(variant):
 def test_non_finite_window_changes_nothing_and_is_discarded(variant, bad):
   tx = optax.adam(1e-2)
   params = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])}
-  opt_state = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params),
-                        params)[1]
+  opt_state = tx.update(
+    jax.tree.map(jnp.ones_like, params), tx.init(params), params
+  )[1]
   state = wa.init(params, dtype=jnp.float16, loss_scale=2.0**15)
-  state = wa.accumulate_sum(state, {"w": jnp.array([1.0, bad]),
-                                    "b": jnp.array([2.0])}, 5)
+  state = wa.accumulate_sum(
+    state, {"w": jnp.array([1.0, bad]), "b": jnp.array([2.0])}, 5
+  )
   before = _bits((params, opt_state))
-  new_params, new_opt, new_state, out = _step(variant, tx,
-                                              next_loss_scale=2.0**14)(
-                                                  state, _copy(params),
-                                                  _copy(opt_state))
+  new_params, new_opt, new_state, out = _step(
+    variant, tx, next_loss_scale=2.0**14
+  )(state, _copy(params), _copy(opt_state))
   assert not bool(out.finite) and not bool(out.valid)
   assert float(out.weight) == 5.0 and float(out.loss_scale) == 2.0**15
   assert _bits((new_params, new_opt)) == before
@@ -206,10 +220,12 @@ def test_loss_scale_is_divided_out_and_next_one_set(variant):
   g = {"w": jnp.array([2.0**12 * 1e-3, -(2.0**12) * 2e-3], jnp.float16)}
   state = wa.accumulate_mean(state, g, 1000)
   new_params, _, new_state, out = _step(variant, tx, next_loss_scale=2.0**13)(
-      state, _copy(params), tx.init(params))
+    state, _copy(params), tx.init(params)
+  )
   assert bool(out.valid) and float(out.loss_scale) == 2.0**12
-  np.testing.assert_allclose(np.asarray(new_params["w"]), [-1e-3, 2e-3],
-                             rtol=1e-3)
+  np.testing.assert_allclose(
+    np.asarray(new_params["w"]), [-1e-3, 2e-3], rtol=1e-3
+  )
   assert new_params["w"].dtype == jnp.float32
   assert float(new_state.loss_scale) == 2.0**13
 
@@ -221,11 +237,11 @@ def test_traced_invalid_next_loss_scale_marks_the_next_window_unusable():
   tx = optax.sgd(1.0)
   params = {"w": jnp.ones(2)}
   state = wa.accumulate_sum(wa.init(params, loss_scale=4.0), params, 1)
-  step = jax.jit(lambda s, p, o, ls: wa.apply_window(tx, s, p, o,
-                                                     next_loss_scale=ls))
+  step = jax.jit(
+    lambda s, p, o, ls: wa.apply_window(tx, s, p, o, next_loss_scale=ls)
+  )
   for bad in (-1.0, 0.0, jnp.nan, jnp.inf):
-    new_params, opt, new_state, out = step(state, params, tx.init(params),
-                                           bad)
+    new_params, opt, new_state, out = step(state, params, tx.init(params), bad)
     assert bool(out.valid)
     np.testing.assert_array_equal(np.asarray(new_params["w"]), [0.75, 0.75])
     nxt = jax.jit(wa.accumulate_sum)(new_state, params, 2)
@@ -238,12 +254,14 @@ def test_bfloat16_params_get_their_dtype_and_float32_buffers_are_exact():
   tx = optax.sgd(1.0)
   params = {"w": jnp.array([1.0, 2.0], jnp.bfloat16)}
   state = wa.init(params, dtype=jnp.float32)
-  state = wa.accumulate_sum(state, {"w": jnp.array([3.0, 6.0],
-                                                   jnp.bfloat16)}, 3)
+  state = wa.accumulate_sum(
+    state, {"w": jnp.array([3.0, 6.0], jnp.bfloat16)}, 3
+  )
   new_params, _, _, out = wa.apply_window(tx, state, params, tx.init(params))
   assert bool(out.valid) and new_params["w"].dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(new_params["w"], np.float32),
-                                [0.0, 0.0])
+  np.testing.assert_array_equal(
+    np.asarray(new_params["w"], np.float32), [0.0, 0.0]
+  )
 
 
 def test_errors_name_the_leaf_and_change_nothing():
@@ -254,11 +272,13 @@ def test_errors_name_the_leaf_and_change_nothing():
   with pytest.raises(wa.WeightedAccumulationError, match=r"\['b'\]"):
     wa.apply_window(tx, state, {"w": jnp.ones(2)}, tx.init(params))
   with pytest.raises(wa.WeightedAccumulationError, match=r"\['w'\].*shape"):
-    wa.apply_window(tx, state, {"w": jnp.ones(3), "b": jnp.ones(1)},
-                    tx.init(params))
+    wa.apply_window(
+      tx, state, {"w": jnp.ones(3), "b": jnp.ones(1)}, tx.init(params)
+    )
   for bad in (0.0, -2.0, float("nan"), float("inf")):
-    with pytest.raises(wa.WeightedAccumulationError,
-                       match="apply_window.next_loss_scale"):
+    with pytest.raises(
+      wa.WeightedAccumulationError, match="apply_window.next_loss_scale"
+    ):
       wa.apply_window(tx, state, params, tx.init(params), next_loss_scale=bad)
   with pytest.raises(wa.WeightedAccumulationError, match="optax"):
     wa.apply_window(lambda g: g, state, params, None)
@@ -270,8 +290,10 @@ SHAPES = {"embed": (512, 64), "qkv": (64, 192), "bias": (192,), "ln": (64,)}
 
 def _big_params():
   rng = np.random.default_rng(0)
-  return {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
-          for k, s in SHAPES.items()}
+  return {
+    k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    for k, s in SHAPES.items()
+  }
 
 
 def _ordered_step(tx):
@@ -284,8 +306,9 @@ def _ordered_step(tx):
   return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
-@pytest.mark.parametrize("inner", [optax.adamw(1e-3), optax.sgd(0.1)],
-                         ids=["adamw", "sgd"])
+@pytest.mark.parametrize(
+  "inner", [optax.adamw(1e-3), optax.sgd(0.1)], ids=["adamw", "sgd"]
+)
 def test_donated_close_is_in_place_without_temporaries(inner):
   """Params, optimizer state and buffers aliased; no parameter-sized
   temporary (the reset is a broadcast ordered after every read of the
@@ -346,7 +369,8 @@ def test_dynamic_loss_scale_sets_the_next_window_and_backs_off(variant):
   def step(params, opt_state, state, scaler, g, w):
     state = wa.accumulate_mean(state, g, w)
     params, opt_state, state, out = wa.apply_window(
-        tx, state, params, opt_state, next_loss_scale=scaler)
+      tx, state, params, opt_state, next_loss_scale=scaler
+    )
     scaler = scaler.adjust(out.finite)
     return params, opt_state, wa.set_loss_scale(state, scaler), scaler, out
 
@@ -354,18 +378,19 @@ def test_dynamic_loss_scale_sets_the_next_window_and_backs_off(variant):
   before = _bits(params)
   inf_grads = {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}
   params, opt_state, state, scaler, out = step(
-      params, tx.init(params), state, scaler, inf_grads, 4.0)
+    params, tx.init(params), state, scaler, inf_grads, 4.0
+  )
   assert not bool(out.finite) and _bits(params) == before
   assert float(scaler.scale) == 2.0**9
   assert float(state.loss_scale) == 2.0**9 and int(state.issued) == 0
   g = {"w": jnp.array([2.0**9 * 0.5, -(2.0**9)], jnp.float16)}
-  params, _, state, scaler, out = step(params, opt_state, state, scaler, g,
-                                       2.0)
+  params, _, state, scaler, out = step(params, opt_state, state, scaler, g, 2.0)
   assert bool(out.valid) and float(out.loss_scale) == 2.0**9
   np.testing.assert_allclose(np.asarray(params["w"]), [0.5, 3.0])
   assert float(state.loss_scale) == 2.0**9
   # The scaler itself as next_loss_scale: its scale becomes the next one's.
   state = wa.accumulate_sum(state, {"w": jnp.ones(2, jnp.float16)}, 1)
-  _, _, state, _ = wa.apply_window(tx, state, params, tx.init(params),
-                                   next_loss_scale=wa.DynamicLossScale(8.0))
+  _, _, state, _ = wa.apply_window(
+    tx, state, params, tx.init(params), next_loss_scale=wa.DynamicLossScale(8.0)
+  )
   assert float(state.loss_scale) == 8.0

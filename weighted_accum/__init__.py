@@ -9,6 +9,7 @@ the full-batch gradient whatever the split.
 from importlib import metadata as _metadata
 
 from weighted_accum import checkpoint
+from weighted_accum import distributed
 from weighted_accum.checkpoint import AccumRestore
 from weighted_accum.checkpoint import AccumSave
 from weighted_accum.checkpoint import abstract_state
@@ -16,7 +17,6 @@ from weighted_accum.core import accumulate_mean
 from weighted_accum.core import accumulate_sum
 from weighted_accum.core import finish_mean
 from weighted_accum.core import finish_sums
-from weighted_accum import distributed
 from weighted_accum.distributed import local_grad
 from weighted_accum.distributed import local_value_and_grad
 from weighted_accum.distributed import reduce_sums
@@ -44,32 +44,32 @@ except _metadata.PackageNotFoundError:  # a source tree that is not installed
   __version__ = "0+unknown"
 
 __all__ = (
-    "AccumRestore",
-    "AccumSave",
-    "AccumState",
-    "AccumulatedGradients",
-    "DynamicLossScale",
-    "TrainState",
-    "WeightedAccumulationError",
-    "WeightedMultiSteps",
-    "WeightedMultiStepsState",
-    "abstract_state",
-    "accumulate_mean",
-    "accumulate_sum",
-    "apply_window",
-    "checkpoint",
-    "distributed",
-    "finish_mean",
-    "finish_sums",
-    "from_buffers",
-    "has_updated",
-    "init",
-    "local_grad",
-    "local_value_and_grad",
-    "microbatched_value_and_grad",
-    "optax_accumulator",
-    "reduce_sums",
-    "set_loss_scale",
-    "weighted_multi_steps",
-    "window_counters",
+  "AccumRestore",
+  "AccumSave",
+  "AccumState",
+  "AccumulatedGradients",
+  "DynamicLossScale",
+  "TrainState",
+  "WeightedAccumulationError",
+  "WeightedMultiSteps",
+  "WeightedMultiStepsState",
+  "abstract_state",
+  "accumulate_mean",
+  "accumulate_sum",
+  "apply_window",
+  "checkpoint",
+  "distributed",
+  "finish_mean",
+  "finish_sums",
+  "from_buffers",
+  "has_updated",
+  "init",
+  "local_grad",
+  "local_value_and_grad",
+  "microbatched_value_and_grad",
+  "optax_accumulator",
+  "reduce_sums",
+  "set_loss_scale",
+  "weighted_multi_steps",
+  "window_counters",
 )

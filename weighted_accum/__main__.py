@@ -28,9 +28,10 @@ SIZES = (1, 2, 3, 5, 8, 13, 12, 20)  # rows per microbatch: 64 in all
 
 class _Demo(NamedTuple):
   """The demo's jitted pieces, built once."""
-  grad: Callable[..., Any]          # (params, batch, kind) -> grads
-  mean_value: Callable[..., Any]    # (params, batch) -> mean loss
-  apply: Callable[..., Any]         # (params, opt_state, grads) -> both
+
+  grad: Callable[..., Any]  # (params, batch, kind) -> grads
+  mean_value: Callable[..., Any]  # (params, batch) -> mean loss
+  apply: Callable[..., Any]  # (params, opt_state, grads) -> both
   tx: optax.GradientTransformation
 
 
@@ -46,9 +47,12 @@ def _build(graphdef: Any) -> _Demo:
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  return _Demo(grad=jax.jit(jax.grad(loss), static_argnums=2),
-               mean_value=jax.jit(lambda p, b: loss(p, b, "mean")),
-               apply=apply, tx=tx)
+  return _Demo(
+    grad=jax.jit(jax.grad(loss), static_argnums=2),
+    mean_value=jax.jit(lambda p, b: loss(p, b, "mean")),
+    apply=apply,
+    tx=tx,
+  )
 
 
 _acc_mean = jax.jit(wa.accumulate_mean, donate_argnums=0)
@@ -70,19 +74,25 @@ def _equal_weight(demo: _Demo, params: Any, batch: Any) -> Any:
   return jax.tree.map(lambda *g: sum(g) / len(g), *gs)
 
 
-def _gradient_table(demo: _Demo, params0: Any, batch: Any,
-                    n_params: int) -> None:
+def _gradient_table(
+  demo: _Demo, params0: Any, batch: Any, n_params: int
+) -> None:
   weights = [int(toy.weight(mb)) for mb in toy.split(batch, SIZES)]
-  print(f"weighted_accum demo: TinyLM ({n_params:,} params), one batch of "
-        f"{sum(SIZES)} sequences of lengths {int(batch.lengths.min())}.."
-        f"{int(batch.lengths.max())}, split into {len(SIZES)} microbatches")
+  print(
+    f"weighted_accum demo: TinyLM ({n_params:,} params), one batch of "
+    f"{sum(SIZES)} sequences of lengths {int(batch.lengths.min())}.."
+    f"{int(batch.lengths.max())}, split into {len(SIZES)} microbatches"
+  )
   print(f"tokens per microbatch: {weights} (total {sum(weights)})\n")
   full = demo.grad(params0, batch, "mean")
-  rows = [("full-batch gradient (reference)", full),
-          ("weighted accumulation (weighted_accum)",
-           _weighted(demo, params0, batch)),
-          ("equal-weight accumulation (optax.MultiSteps)",
-           _equal_weight(demo, params0, batch))]
+  rows = [
+    ("full-batch gradient (reference)", full),
+    ("weighted accumulation (weighted_accum)", _weighted(demo, params0, batch)),
+    (
+      "equal-weight accumulation (optax.MultiSteps)",
+      _equal_weight(demo, params0, batch),
+    ),
+  ]
   print(f"{'gradient':46s} {'relative error vs full batch':>30s}")
   print("-" * 77)
   for name, g in rows:
@@ -91,14 +101,21 @@ def _gradient_table(demo: _Demo, params0: Any, batch: Any,
 
 
 def _train(demo: _Demo, params0: Any, data: list[Any]) -> None:
-  runs = {"full batch": lambda p, b: demo.grad(p, b, "mean"),
-          "weighted_accum": functools.partial(_weighted, demo),
-          "equal-weight": functools.partial(_equal_weight, demo)}
+  runs = {
+    "full batch": lambda p, b: demo.grad(p, b, "mean"),
+    "weighted_accum": functools.partial(_weighted, demo),
+    "equal-weight": functools.partial(_equal_weight, demo),
+  }
   params = {k: params0 for k in runs}
   opt = {k: demo.tx.init(params0) for k in runs}
   history = {k: [] for k in runs}
-  for w in tqdm(range(len(data)), desc="training windows", unit="window",
-                file=sys.stdout, disable=False):
+  for w in tqdm(
+    range(len(data)),
+    desc="training windows",
+    unit="window",
+    file=sys.stdout,
+    disable=False,
+  ):
     for k, fn in runs.items():
       history[k].append(float(demo.mean_value(params[k], data[w])))
       params[k], opt[k] = demo.apply(params[k], opt[k], fn(params[k], data[w]))
@@ -107,33 +124,43 @@ def _train(demo: _Demo, params0: Any, data: list[Any]) -> None:
   step = max(1, len(data) // 8)
   for w in sorted(set(range(0, len(data), step)) | {len(data) - 1}):
     print(f"{w:6d} " + " ".join(f"{history[k][w]:16.5f}" for k in runs))
-  drift = {k: max(abs(a - b) for a, b in zip(history[k], history["full batch"]))
-           for k in runs}
-  print(f"\nmax |loss - full batch loss|: weighted_accum "
-        f"{drift['weighted_accum']:.2e}, "
-        f"equal-weight {drift['equal-weight']:.2e}")
+  drift = {
+    k: max(abs(a - b) for a, b in zip(history[k], history["full batch"]))
+    for k in runs
+  }
+  print(
+    f"\nmax |loss - full batch loss|: weighted_accum "
+    f"{drift['weighted_accum']:.2e}, "
+    f"equal-weight {drift['equal-weight']:.2e}"
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
   """Runs the demo; ``--windows 0`` prints the gradient table only."""
-  parser = argparse.ArgumentParser(prog="python -m weighted_accum",
-                                   description=__doc__.split("\n\n")[1])
-  parser.add_argument("--windows", type=int, default=25,
-                      help="optimizer steps (accumulation windows) to train; "
-                      "0: the gradient table only")
+  parser = argparse.ArgumentParser(
+    prog="python -m weighted_accum", description=__doc__.split("\n\n")[1]
+  )
+  parser.add_argument(
+    "--windows",
+    type=int,
+    default=25,
+    help="optimizer steps (accumulation windows) to train; "
+    "0: the gradient table only",
+  )
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
   t0 = time.perf_counter()
-  data = [toy.make_dataset(num_sequences=sum(SIZES), max_len=24,
-                           seed=args.seed + i)
-          for i in range(max(1, args.windows))]
+  data = [
+    toy.make_dataset(num_sequences=sum(SIZES), max_len=24, seed=args.seed + i)
+    for i in range(max(1, args.windows))
+  ]
   model = toy.TinyLM(dim=32, heads=2, max_len=24, rngs=nnx.Rngs(args.seed))
   graphdef, params0 = nnx.split(model, nnx.Param)
   n_params = sum(x.size for x in jax.tree.leaves(params0))
   demo = _build(graphdef)
   _gradient_table(demo, params0, data[0], n_params)
   if args.windows > 0:
-    _train(demo, params0, data[:args.windows])
+    _train(demo, params0, data[: args.windows])
   print(f"done in {time.perf_counter() - t0:.1f} s on {jax.default_backend()}")
   return 0
 

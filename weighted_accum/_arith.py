@@ -14,7 +14,6 @@ def compute_dtype(dtype: Any) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def mean_contribution(g: jax.Array, weight: jax.Array,
-                      dtype: Any) -> jax.Array:
+def mean_contribution(g: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
   """``cast(g, dtype) * weight``: converted first, multiplied in >= float32."""
   return (g.astype(dtype).astype(compute_dtype(dtype)) * weight).astype(dtype)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from weighted_accum import _counters
 from weighted_accum import _inputs
-from weighted_accum._arith import compute_dtype
 from weighted_accum import _tree
+from weighted_accum._arith import compute_dtype
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
@@ -23,8 +23,14 @@ from weighted_accum.state import AccumulatedGradients
 Axes = tuple[str, ...]
 
 
-def divide(sums: Any, loss_scale: jax.Array, weight: jax.Array, *,
-           wide: bool = False, mark_nonfinite: bool = False) -> Any:
+def divide(
+  sums: Any,
+  loss_scale: jax.Array,
+  weight: jax.Array,
+  *,
+  wide: bool = False,
+  mark_nonfinite: bool = False,
+) -> Any:
   """``(sums / loss_scale) / weight`` per leaf; zeros where ``weight <= 0``.
 
   Sequential division in at least float32, never by ``loss_scale * weight``
@@ -54,8 +60,11 @@ def divide(sums: Any, loss_scale: jax.Array, weight: jax.Array, *,
 def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
   """A positive finite weight and a usable (finite, positive, normal) loss
   scale: what a division needs to mean anything."""
-  return ((weight > 0) & jnp.isfinite(weight)
-          & _inputs.scale_ok(jnp.asarray(loss_scale)))
+  return (
+    (weight > 0)
+    & jnp.isfinite(weight)
+    & _inputs.scale_ok(jnp.asarray(loss_scale))
+  )
 
 
 def next_scale(state: AccumState, next_loss_scale: Any) -> jax.Array:
@@ -69,13 +78,21 @@ def next_scale(state: AccumState, next_loss_scale: Any) -> jax.Array:
   valid."""
   if next_loss_scale is None:
     return state.loss_scale
-  return jnp.asarray(_inputs.loss_scale(
-      next_loss_scale, what="finish(next_loss_scale=...)",
-      dtype=state.loss_scale.dtype))
+  return jnp.asarray(
+    _inputs.loss_scale(
+      next_loss_scale,
+      what="finish(next_loss_scale=...)",
+      dtype=state.loss_scale.dtype,
+    )
+  )
 
 
-def next_window(state: AccumState, next_loss_scale: Any = None, *,
-                keep: jax.Array | None = None) -> AccumState:
+def next_window(
+  state: AccumState,
+  next_loss_scale: Any = None,
+  *,
+  keep: jax.Array | None = None,
+) -> AccumState:
   """An empty window after ``state`` on fresh zero buffers (each on its
   buffer's sharding), its counters as the table's ``at_finish`` says.
 
@@ -89,17 +106,21 @@ def next_window(state: AccumState, next_loss_scale: Any = None, *,
     # value (its buffers are zero), and dropping the scale would divide the
     # caller's next microbatches by the wrong factor.
     old = _counters.of(state)
-    counters = {k: v if k == "loss_scale" else jnp.where(keep, old[k], v)
-                for k, v in counters.items()}
-  return state.replace(grads=jax.tree.map(_tree.zeros_like, state.grads),
-                       **counters)
+    counters = {
+      k: v if k == "loss_scale" else jnp.where(keep, old[k], v)
+      for k, v in counters.items()
+    }
+  return state.replace(
+    grads=jax.tree.map(_tree.zeros_like, state.grads), **counters
+  )
 
 
 def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
   if set(axes) & _tree.varying_axes(loss_scale):
     raise WeightedAccumulationError(
-        f"{what}: the loss scale varies over {axes}; every replica must use "
-        "the same loss scale for a window. Pass it in with P() (unvarying).")
+      f"{what}: the loss scale varies over {axes}; every replica must use "
+      "the same loss scale for a window. Pass it in with P() (unvarying)."
+    )
 
 
 def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
@@ -110,8 +131,9 @@ def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
   return tuple(a for a in axes if a in _tree.varying_axes(x))
 
 
-def psum_window(sums: Any, scalars: dict[str, Any], axes: Axes, *,
-                vma_on: bool) -> tuple[Any, dict[str, jax.Array]]:
+def psum_window(
+  sums: Any, scalars: dict[str, Any], axes: Axes, *, vma_on: bool
+) -> tuple[Any, dict[str, jax.Array]]:
   """One collective round: the sums (each over the axes it varies over)
   together with the per-replica ``scalars`` (always summed, as float32,
   exact for integers below 2**24).
@@ -127,9 +149,12 @@ def psum_window(sums: Any, scalars: dict[str, Any], axes: Axes, *,
       groups.setdefault(ax, []).append(i)
   names = list(scalars)
   # Counts as float32; a float64 weight pair (float64 work dtype) stays so.
-  values = [jnp.asarray(scalars[k]).astype(
-      jnp.promote_types(jnp.asarray(scalars[k]).dtype, jnp.float32))
-            for k in names]
+  values = [
+    jnp.asarray(scalars[k]).astype(
+      jnp.promote_types(jnp.asarray(scalars[k]).dtype, jnp.float32)
+    )
+    for k in names
+  ]
   full = groups.pop(axes, [])
   red, values = jax.lax.psum(([leaves[i] for i in full], values), axes)
   out = list(leaves)
@@ -141,9 +166,15 @@ def psum_window(sums: Any, scalars: dict[str, Any], axes: Axes, *,
   return jax.tree.unflatten(treedef, out), dict(zip(names, values))
 
 
-def result(sums: Any, weight: jax.Array, loss_scale: jax.Array,
-           issued: jax.Array, *, mean: bool,
-           require_weight: bool) -> AccumulatedGradients:
+def result(
+  sums: Any,
+  weight: jax.Array,
+  loss_scale: jax.Array,
+  issued: jax.Array,
+  *,
+  mean: bool,
+  require_weight: bool,
+) -> AccumulatedGradients:
   """What a finish returns, from the (global) sums and weight.
 
   ``finite`` says every PENDING sum is finite: what a dynamic loss scaler
@@ -171,15 +202,25 @@ def result(sums: Any, weight: jax.Array, loss_scale: jax.Array,
     finite = _tree.all_finite(grads)
   valid = finite & usable
   return AccumulatedGradients(
-      grads=grads, weight=weight, loss_scale=jnp.asarray(loss_scale),
-      issued=jnp.asarray(issued).astype(jnp.int32), finite=finite,
-      valid=valid)
+    grads=grads,
+    weight=weight,
+    loss_scale=jnp.asarray(loss_scale),
+    issued=jnp.asarray(issued).astype(jnp.int32),
+    finite=finite,
+    valid=valid,
+  )
 
 
-def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
-           next_loss_scale: Any = None, axes: Axes = (),
-           vma_on: bool | None = None, what: str = "finish"
-           ) -> tuple[AccumulatedGradients, AccumState]:
+def finish(
+  state: AccumState,
+  *,
+  mean: bool,
+  keep_empty: bool | None = None,
+  next_loss_scale: Any = None,
+  axes: Axes = (),
+  vma_on: bool | None = None,
+  what: str = "finish",
+) -> tuple[AccumulatedGradients, AccumState]:
   """Finishes ``state``'s window: the one finish path of the library.
 
   Pure and traceable (no Python value checks: callers validate concrete
@@ -230,30 +271,45 @@ def finish(state: AccumState, *, mean: bool, keep_empty: bool | None = None,
       _check_scale_shared(state.loss_scale, axes, what)
     sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on)
   # In the tally's dtype: float32, or float64 for a float64 work dtype.
-  weight = jnp.asarray(scalars["weight_hi"]) + jnp.asarray(
-      scalars["weight_lo"])
-  out = result(sums, weight, state.loss_scale, scalars["issued"], mean=mean,
-               require_weight=keep_empty)
+  weight = jnp.asarray(scalars["weight_hi"]) + jnp.asarray(scalars["weight_lo"])
+  out = result(
+    sums,
+    weight,
+    state.loss_scale,
+    scalars["issued"],
+    mean=mean,
+    require_weight=keep_empty,
+  )
   keep = ~(weight > 0) if keep_empty else None
   new_state = next_window(state, next_loss_scale, keep=keep)
   if axes:
-    new_state = jax.tree.map(lambda r, s: _tree.vary_like(r, s, axes),
-                             new_state, state)
+    new_state = jax.tree.map(
+      lambda r, s: _tree.vary_like(r, s, axes), new_state, state
+    )
   return out, new_state
 
 
-def reduce_finished(out: AccumulatedGradients, axes: Axes, *,
-                    vma_on: bool | None = None,
-                    what: str = "reduce_sums") -> AccumulatedGradients:
+def reduce_finished(
+  out: AccumulatedGradients,
+  axes: Axes,
+  *,
+  vma_on: bool | None = None,
+  what: str = "reduce_sums",
+) -> AccumulatedGradients:
   """The global mean from one replica's ``finish(state, mean=False)``
   result: the same collective round and division as ``finish`` with
   ``axes`` and ``mean=True`` (no state to reset)."""
   vma_on = _tree.vma_checked(axes) if vma_on is None else vma_on
   if vma_on:
     _check_scale_shared(out.loss_scale, axes, what)
-  sums, scalars = psum_window(out.grads, {"weight": out.weight,
-                                          "issued": out.issued}, axes,
-                              vma_on=vma_on)
-  return result(sums, scalars["weight"],
-                jnp.asarray(out.loss_scale, jnp.float32), scalars["issued"],
-                mean=True, require_weight=True)
+  sums, scalars = psum_window(
+    out.grads, {"weight": out.weight, "issued": out.issued}, axes, vma_on=vma_on
+  )
+  return result(
+    sums,
+    scalars["weight"],
+    jnp.asarray(out.loss_scale, jnp.float32),
+    scalars["issued"],
+    mean=True,
+    require_weight=True,
+  )

@@ -37,6 +37,7 @@ def _is_traced(x: Any) -> bool:
 
 # ------------------------------------------------------------------ dtypes --
 
+
 def work_dtype(dtype: Any, *, what: str) -> np.dtype:
   """The canonical floating work dtype, or a named error.
 
@@ -49,22 +50,26 @@ def work_dtype(dtype: Any, *, what: str) -> np.dtype:
     dt = jnp.dtype(dtype)
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise WeightedAccumulationError(
-        f"{what}: {dtype!r} is not a dtype. Pass a floating dtype such as "
-        "jnp.float32, jnp.bfloat16 or jnp.float16.") from e
+      f"{what}: {dtype!r} is not a dtype. Pass a floating dtype such as "
+      "jnp.float32, jnp.bfloat16 or jnp.float16."
+    ) from e
   if not jnp.issubdtype(dt, jnp.floating):
     raise WeightedAccumulationError(
-        f"{what}: dtype {dt} is not floating point; gradient sums need a "
-        "floating work dtype. Pass jnp.float32 (recommended), jnp.bfloat16 or "
-        "jnp.float16.")
+      f"{what}: dtype {dt} is not floating point; gradient sums need a "
+      "floating work dtype. Pass jnp.float32 (recommended), jnp.bfloat16 or "
+      "jnp.float16."
+    )
   if dt.itemsize < 2:
     raise WeightedAccumulationError(
-        f"{what}: dtype {dt} is too narrow to accumulate gradient sums. Pass "
-        "jnp.float32 (recommended), jnp.bfloat16 or jnp.float16.")
+      f"{what}: dtype {dt} is too narrow to accumulate gradient sums. Pass "
+      "jnp.float32 (recommended), jnp.bfloat16 or jnp.float16."
+    )
   if dt.itemsize == 8 and not jax.config.jax_enable_x64:
     raise WeightedAccumulationError(
-        f"{what}: dtype {dt} needs jax_enable_x64, which is off, so JAX would "
-        "silently use float32. Enable it with "
-        "jax.config.update('jax_enable_x64', True) or pass jnp.float32.")
+      f"{what}: dtype {dt} needs jax_enable_x64, which is off, so JAX would "
+      "silently use float32. Enable it with "
+      "jax.config.update('jax_enable_x64', True) or pass jnp.float32."
+    )
   return dt
 
 
@@ -75,6 +80,7 @@ def tally_dtype(work: Any) -> np.dtype:
 
 
 # --------------------------------------------------------- host scalars --
+
 
 def host_number(x: Any, *, what: str, noun: str) -> int | float:
   """A concrete real scalar as an exact Python ``int`` or ``float``.
@@ -92,37 +98,45 @@ def host_number(x: Any, *, what: str, noun: str) -> int | float:
     return x
   if x is None or isinstance(x, (str, bytes)):
     raise WeightedAccumulationError(
-        f"{what}: got {x!r} ({type(x).__name__}); expected a real number, "
-        f"{noun}.")
+      f"{what}: got {x!r} ({type(x).__name__}); expected a real number, {noun}."
+    )
   try:
     a = np.asarray(x)
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise WeightedAccumulationError(
-        f"{what}: cannot read {type(x).__name__} {x!r} as a number; expected "
-        f"a real scalar, {noun}.") from e
+      f"{what}: cannot read {type(x).__name__} {x!r} as a number; expected "
+      f"a real scalar, {noun}."
+    ) from e
   if a.ndim != 0:
     raise WeightedAccumulationError(
-        f"{what} has shape {a.shape}, expected a scalar. Pass one number, "
-        f"{noun} (e.g. x.item() or x.reshape(()) of a 1-element array).")
+      f"{what} has shape {a.shape}, expected a scalar. Pass one number, "
+      f"{noun} (e.g. x.item() or x.reshape(()) of a 1-element array)."
+    )
   if a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.integer):
     return int(a.item())
   if jnp.issubdtype(a.dtype, jnp.floating):
     return float(a.astype(np.float64))
   raise WeightedAccumulationError(
-      f"{what}: dtype {a.dtype} is not a real number; expected {noun}.")
+    f"{what}: dtype {a.dtype} is not a real number; expected {noun}."
+  )
 
 
 def _static_shape(x: Any, what: str, noun: str) -> np.dtype:
   """Checks a traced value is a real 0-d scalar; returns its dtype."""
   if x.ndim != 0:
     raise WeightedAccumulationError(
-        f"{what} has shape {x.shape}, expected a scalar. Pass one number, "
-        f"{noun} (e.g. x.reshape(()) of a 1-element array).")
+      f"{what} has shape {x.shape}, expected a scalar. Pass one number, "
+      f"{noun} (e.g. x.reshape(()) of a 1-element array)."
+    )
   dt = np.dtype(x.dtype)
-  if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.integer)
-          or jnp.issubdtype(dt, jnp.floating)):
+  if not (
+    dt == np.bool_
+    or jnp.issubdtype(dt, jnp.integer)
+    or jnp.issubdtype(dt, jnp.floating)
+  ):
     raise WeightedAccumulationError(
-        f"{what}: dtype {dt} is not a real number; expected {noun}.")
+      f"{what}: dtype {dt} is not a real number; expected {noun}."
+    )
   return dt
 
 
@@ -140,6 +154,7 @@ def is_normal_or_zero(x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ weight --
+
 
 class Weight(NamedTuple):
   """A converted weight: ``hi + lo`` is the value, both in the tally dtype,
@@ -173,21 +188,24 @@ def _host_weight(v: int | float, what: str, tally: np.dtype) -> Weight:
   fi = np.finfo(tally)
   if not (math.isfinite(v) and v >= 0):
     raise WeightedAccumulationError(
-        f"{what}: {v!r} is not a finite non-negative number. The weight is "
-        f"{_WEIGHT_NOUN}; use 0 for a fully masked microbatch. The state was "
-        "left unchanged.")
+      f"{what}: {v!r} is not a finite non-negative number. The weight is "
+      f"{_WEIGHT_NOUN}; use 0 for a fully masked microbatch. The state was "
+      "left unchanged."
+    )
   if v > float(fi.max) or (isinstance(v, int) and v >= EXACT_INT_LIMIT):
     raise WeightedAccumulationError(
-        f"{what}: {v!r} is beyond what the accumulator's {tally} weight tally "
-        f"holds (at most {float(fi.max):.4g}, integers exactly below 2**48). "
-        "The weight is an item count: pass the microbatch's count, or scale "
-        "all weights down by a common factor.")
+      f"{what}: {v!r} is beyond what the accumulator's {tally} weight tally "
+      f"holds (at most {float(fi.max):.4g}, integers exactly below 2**48). "
+      "The weight is an item count: pass the microbatch's count, or scale "
+      "all weights down by a common factor."
+    )
   if 0 < v < float(fi.tiny):
     raise WeightedAccumulationError(
-        f"{what}: {v!r} is below the smallest normal {tally} "
-        f"({float(fi.tiny):.4g}); the tally would flush it to zero while its "
-        "gradients were added. Pass 0 to skip the microbatch, or scale all "
-        "weights up by a common factor.")
+      f"{what}: {v!r} is below the smallest normal {tally} "
+      f"({float(fi.tiny):.4g}); the tally would flush it to zero while its "
+      "gradients were added. Pass 0 to skip the microbatch, or scale all "
+      "weights up by a common factor."
+    )
   hi = tally.type(v)
   if isinstance(v, int):
     lo = tally.type(v - int(hi))
@@ -203,8 +221,11 @@ def _traced_weight(x: jax.Array, what: str, tally: np.dtype) -> Weight:
   fi = jnp.finfo(tally)
   if dt == np.bool_ or jnp.issubdtype(dt, jnp.integer):
     xi = x.astype(jnp.int32) if dt.itemsize < 4 or dt == np.bool_ else x
-    ok = (xi >= 0) if jnp.issubdtype(xi.dtype, jnp.signedinteger) else (
-        jnp.bool_(True))
+    ok = (
+      (xi >= 0)
+      if jnp.issubdtype(xi.dtype, jnp.signedinteger)
+      else (jnp.bool_(True))
+    )
     if xi.dtype.itemsize == 8:
       ok = ok & (xi < EXACT_INT_LIMIT)
     # Two parts exactly representable in float32 (< 2**24 significant bits).
@@ -226,8 +247,10 @@ def _traced_weight(x: jax.Array, what: str, tally: np.dtype) -> Weight:
 
 # -------------------------------------------------------------- loss scale --
 
-_SCALE_NOUN = ("the factor every loss of the window is multiplied by (e.g. "
-               "1.0, or 2.0**15 for float16 training)")
+_SCALE_NOUN = (
+  "the factor every loss of the window is multiplied by (e.g. "
+  "1.0, or 2.0**15 for float16 training)"
+)
 
 
 def loss_scale(x: Any, *, what: str, dtype: Any = np.float32) -> Any:
@@ -256,10 +279,11 @@ def loss_scale(x: Any, *, what: str, dtype: Any = np.float32) -> Any:
     ok = math.isfinite(stored) and stored >= float(fi.tiny)
   if not ok:
     raise WeightedAccumulationError(
-        f"{what} is {v!r}, not a finite positive {dtype} number (stored as "
-        f"{dtype}, the scale must lie in [{float(fi.tiny):.4g}, "
-        f"{float(fi.max):.4g}]). It is {_SCALE_NOUN}, divided out once at "
-        "finish.")
+      f"{what} is {v!r}, not a finite positive {dtype} number (stored as "
+      f"{dtype}, the scale must lie in [{float(fi.tiny):.4g}, "
+      f"{float(fi.max):.4g}]). It is {_SCALE_NOUN}, divided out once at "
+      "finish."
+    )
   return dtype.type(v)
 
 
@@ -270,25 +294,31 @@ def scale_ok(ls: jax.Array) -> jax.Array:
 
 # ---------------------------------------------------------------- counters --
 
+
 def count(x: Any, *, what: str, name: str) -> int:
   """A concrete counter (int32 in the state) as a Python int in
   ``[0, 2**31)``; whole floats are accepted, booleans are not."""
   if isinstance(x, (bool, np.bool_)) or (
-      hasattr(x, "dtype") and np.dtype(x.dtype) == np.bool_):
+    hasattr(x, "dtype") and np.dtype(x.dtype) == np.bool_
+  ):
     raise WeightedAccumulationError(
-        f"{what}: counter {name!r} is a bool ({x!r}); it must be a whole "
-        "number. Pass the values of state.counters.")
-  v = host_number(x, what=f"{what}: counter {name!r}",
-                  noun="a whole number of microbatches")
+      f"{what}: counter {name!r} is a bool ({x!r}); it must be a whole "
+      "number. Pass the values of state.counters."
+    )
+  v = host_number(
+    x, what=f"{what}: counter {name!r}", noun="a whole number of microbatches"
+  )
   if isinstance(v, float):
     if not (math.isfinite(v) and v == int(v)):
       raise WeightedAccumulationError(
-          f"{what}: counter {name!r} is {v!r}, not a whole number.")
+        f"{what}: counter {name!r} is {v!r}, not a whole number."
+      )
     v = int(v)
   if not 0 <= v <= INT32_MAX:
     raise WeightedAccumulationError(
-        f"{what}: counter {name!r} is {v!r}; it must be a whole number in "
-        "[0, 2**31). The checkpoint is corrupt or not an accumulator's.")
+      f"{what}: counter {name!r} is {v!r}; it must be a whole number in "
+      "[0, 2**31). The checkpoint is corrupt or not an accumulator's."
+    )
   return v
 
 
@@ -297,28 +327,36 @@ def positive_int(x: Any, *, what: str, limit: int = INT32_MAX) -> int:
   NumPy integers only (not bool, not float, not traced)."""
   if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
     raise WeightedAccumulationError(
-        f"{what}: {x!r} is not an int. Pass a Python int.")
+      f"{what}: {x!r} is not an int. Pass a Python int."
+    )
   v = int(x)
   if not 1 <= v <= limit:
     raise WeightedAccumulationError(
-        f"{what}: {v} is outside [1, {limit}] (the step counters are int32). "
-        "Pass a positive Python int.")
+      f"{what}: {v} is outside [1, {limit}] (the step counters are int32). "
+      "Pass a positive Python int."
+    )
   return v
 
 
 # ------------------------------------------------------------------- flags --
+
 
 def static_flag(x: Any, *, what: str) -> bool:
   """A Python-level bool option (``checked=``): bool or a concrete bool
   scalar; never a traced value or another type."""
   if isinstance(x, (bool, np.bool_)):
     return bool(x)
-  if (isinstance(x, jax.Array) and not _is_traced(x) and x.ndim == 0
-      and x.dtype == jnp.bool_):
+  if (
+    isinstance(x, jax.Array)
+    and not _is_traced(x)
+    and x.ndim == 0
+    and x.dtype == jnp.bool_
+  ):
     return bool(x)
   raise WeightedAccumulationError(
-      f"{what}: expected True or False, got {x!r} ({type(x).__name__}). "
-      "This option is static: pass a Python bool.")
+    f"{what}: expected True or False, got {x!r} ({type(x).__name__}). "
+    "This option is static: pass a Python bool."
+  )
 
 
 def traced_flag(x: Any, *, what: str) -> jax.Array:
@@ -329,15 +367,20 @@ def traced_flag(x: Any, *, what: str) -> jax.Array:
     return jnp.bool_(bool(x))
   is_array = isinstance(x, (jax.Array, np.ndarray))
   if not is_array or x.ndim != 0 or x.dtype != np.bool_:
-    kind = (f"{x.dtype} of shape {x.shape}" if is_array
-            else f"{x!r} ({type(x).__name__})")
+    kind = (
+      f"{x.dtype} of shape {x.shape}"
+      if is_array
+      else f"{x!r} ({type(x).__name__})"
+    )
     raise WeightedAccumulationError(
-        f"{what}: expected a bool scalar, got {kind}. Pass True, False, None "
-        "or a (possibly traced) bool scalar array.")
+      f"{what}: expected a bool scalar, got {kind}. Pass True, False, None "
+      "or a (possibly traced) bool scalar array."
+    )
   return x if _is_traced(x) else jnp.asarray(np.asarray(x))
 
 
 # -------------------------------------------------------------- axis names --
+
 
 def axis_names(x: Any, *, what: str) -> tuple[str, ...]:
   """A mesh axis name or a sequence of distinct ones, as a tuple."""
@@ -347,12 +390,16 @@ def axis_names(x: Any, *, what: str) -> tuple[str, ...]:
     names = tuple(x)
   else:
     names = ()
-  if (not names or not all(isinstance(a, str) and a for a in names)
-      or len(set(names)) != len(names)):
+  if (
+    not names
+    or not all(isinstance(a, str) and a for a in names)
+    or len(set(names)) != len(names)
+  ):
     raise WeightedAccumulationError(
-        f"{what}: axis_name={x!r} is not a mesh axis name; pass the "
-        "data-parallel axis, e.g. 'data', or a tuple of distinct names such "
-        "as ('data', 'fsdp').")
+      f"{what}: axis_name={x!r} is not a mesh axis name; pass the "
+      "data-parallel axis, e.g. 'data', or a tuple of distinct names such "
+      "as ('data', 'fsdp')."
+    )
   return names
 
 

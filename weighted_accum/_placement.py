@@ -15,15 +15,19 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+from jax.sharding import SingleDeviceSharding
 
 from weighted_accum._tree import is_traced
 
 
 def _committed_arrays(tree: Any) -> list[jax.Array]:
-  return [x for x in jax.tree.leaves(tree)
-          if isinstance(x, jax.Array) and not is_traced(x)
-          and x.committed]
+  return [
+    x
+    for x in jax.tree.leaves(tree)
+    if isinstance(x, jax.Array) and not is_traced(x) and x.committed
+  ]
 
 
 def replicated_sharding(tree: Any) -> jax.sharding.Sharding | None:
@@ -60,8 +64,12 @@ def commit_like(tree: Any, params: Any) -> Any:
     return tree
 
   def place(x):
-    if (isinstance(x, jax.Array) and not is_traced(x)
-        and x.ndim == 0 and not x.committed):
+    if (
+      isinstance(x, jax.Array)
+      and not is_traced(x)
+      and x.ndim == 0
+      and not x.committed
+    ):
       return jax.device_put(x, sharding)
     return x
 

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def two_sum_add(hi: jax.Array, lo: jax.Array,
-                x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def two_sum_add(
+  hi: jax.Array, lo: jax.Array, x: jax.Array
+) -> tuple[jax.Array, jax.Array]:
   """Adds ``x`` to the pair ``(hi, lo)`` and renormalises it.
 
   Args:
@@ -55,4 +56,3 @@ def join_traced(hi: jax.Array, lo: jax.Array) -> jax.Array:
   """The pair rounded to its own dtype (float32, or float64 for a float64
   work dtype; usable under ``jit``)."""
   return jnp.asarray(hi) + jnp.asarray(lo)
-

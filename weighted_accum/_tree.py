@@ -39,33 +39,44 @@ def diff_paths(expected: Any, got: Any) -> tuple[list[Any], list[Any]]:
   """The entries of ``expected`` missing from ``got``, and those of ``got``
   not in ``expected``, each in its own order."""
   got_set, expected_set = set(got), set(expected)
-  return ([p for p in expected if p not in got_set],
-          [p for p in got if p not in expected_set])
+  return (
+    [p for p in expected if p not in got_set],
+    [p for p in got if p not in expected_set],
+  )
 
 
-def _check_paths(ref_paths: list[str], got_paths: list[str], what: str,
-                 ref_name: str) -> None:
+def _check_paths(
+  ref_paths: list[str], got_paths: list[str], what: str, ref_name: str
+) -> None:
   if ref_paths == got_paths:
     return
   missing, extra = diff_paths(ref_paths, got_paths)
   if missing:
     raise WeightedAccumulationError(
-        f"{what}: leaf {missing[0]} is missing ({len(missing)} missing in "
-        f"all); it must have exactly the leaf paths of {ref_name}. Pass "
-        "gradients with respect to the same params given to init.")
+      f"{what}: leaf {missing[0]} is missing ({len(missing)} missing in "
+      f"all); it must have exactly the leaf paths of {ref_name}. Pass "
+      "gradients with respect to the same params given to init."
+    )
   if extra:
     raise WeightedAccumulationError(
-        f"{what}: unexpected leaf {extra[0]} ({len(extra)} extra in all), "
-        f"which {ref_name} do not have. Pass gradients with respect to the "
-        "same params given to init (filter out non-trainable leaves).")
+      f"{what}: unexpected leaf {extra[0]} ({len(extra)} extra in all), "
+      f"which {ref_name} do not have. Pass gradients with respect to the "
+      "same params given to init (filter out non-trainable leaves)."
+    )
   raise WeightedAccumulationError(
-      f"{what}: leaves are in a different order than in {ref_name} "
-      f"(first: {got_paths[0]} vs {ref_paths[0]}). Pass a tree of the same "
-      "container types as the params given to init.")
+    f"{what}: leaves are in a different order than in {ref_name} "
+    f"(first: {got_paths[0]} vs {ref_paths[0]}). Pass a tree of the same "
+    "container types as the params given to init."
+  )
 
 
-def match_tree(reference: Any, tree: Any, *, what: str,
-               ref_name: str = "the accumulator's buffers") -> list[Any]:
+def match_tree(
+  reference: Any,
+  tree: Any,
+  *,
+  what: str,
+  ref_name: str = "the accumulator's buffers",
+) -> list[Any]:
   """Checks that ``tree`` has ``reference``'s leaf paths and shapes.
 
   Args:
@@ -88,18 +99,22 @@ def match_tree(reference: Any, tree: Any, *, what: str,
   for (path, r), (_, g) in zip(ref, got):
     if np.shape(g) != np.shape(r):
       raise WeightedAccumulationError(
-          f"{what}: leaf {path} has shape {np.shape(g)}, expected "
-          f"{np.shape(r)} as in {ref_name}. Pass gradients of the same params "
-          "given to init.")
+        f"{what}: leaf {path} has shape {np.shape(g)}, expected "
+        f"{np.shape(r)} as in {ref_name}. Pass gradients of the same params "
+        "given to init."
+      )
   return [g for _, g in got]
 
 
-GRADS_HINT = ("Gradients must be float32, bfloat16 or float16; exclude "
-              "integer leaves (e.g. with nnx.state(model, nnx.Param)).")
+GRADS_HINT = (
+  "Gradients must be float32, bfloat16 or float16; exclude "
+  "integer leaves (e.g. with nnx.state(model, nnx.Param))."
+)
 
 
-def check_leaves_floating(paths_and_leaves: list[tuple[str, Any]], *,
-                          what: str, hint: str = GRADS_HINT) -> None:
+def check_leaves_floating(
+  paths_and_leaves: list[tuple[str, Any]], *, what: str, hint: str = GRADS_HINT
+) -> None:
   """Raises naming the first leaf whose dtype is not floating.
 
   Leaves may be arrays, Python/NumPy scalars or ``jax.ShapeDtypeStruct``s.
@@ -108,8 +123,9 @@ def check_leaves_floating(paths_and_leaves: list[tuple[str, Any]], *,
     dt = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
     if not jnp.issubdtype(dt, jnp.floating):
       raise WeightedAccumulationError(
-          f"{what}: leaf {path} has dtype {dt}, which is not floating point. "
-          + hint)
+        f"{what}: leaf {path} has dtype {dt}, which is not floating point. "
+        + hint
+      )
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -136,13 +152,15 @@ def vma_checked(axes: tuple[str, ...]) -> bool:
 
 def vary_like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
   """Casts ``x`` to vary over the ``axes`` that ``ref`` varies over."""
-  missing = tuple(a for a in axes if a in varying_axes(ref)
-                  and a not in varying_axes(x))
+  missing = tuple(
+    a for a in axes if a in varying_axes(ref) and a not in varying_axes(x)
+  )
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def check_not_reduced_against_weight(paths_and_leaves: list[tuple[str, Any]],
-                                     weight: Any, *, what: str) -> None:
+def check_not_reduced_against_weight(
+  paths_and_leaves: list[tuple[str, Any]], weight: Any, *, what: str
+) -> None:
   """Raises when grads were already summed over a data axis but the weight
   was not: inside ``shard_map``, autodiff sums the gradient of an unvarying
   (replicated) param over the axis, so adding it to a per-replica window and
@@ -158,13 +176,14 @@ def check_not_reduced_against_weight(paths_and_leaves: list[tuple[str, Any]],
     if summed:
       axes = tuple(sorted(summed))
       raise WeightedAccumulationError(
-          f"{what}: leaf {path} does not vary over mesh axis {axes} while "
-          "the weight does: autodiff already summed this gradient over the "
-          "replicas (its param is replicated), so a per-replica window would "
-          "count it once per replica. Use weighted_accum.distributed."
-          "accumulate_sum/accumulate_mean, which handle such gradients, or "
-          "differentiate local gradients with weighted_accum.distributed."
-          f"local_grad (jax.lax.pcast(params, {axes!r}, to='varying')).")
+        f"{what}: leaf {path} does not vary over mesh axis {axes} while "
+        "the weight does: autodiff already summed this gradient over the "
+        "replicas (its param is replicated), so a per-replica window would "
+        "count it once per replica. Use weighted_accum.distributed."
+        "accumulate_sum/accumulate_mean, which handle such gradients, or "
+        "differentiate local gradients with weighted_accum.distributed."
+        f"local_grad (jax.lax.pcast(params, {axes!r}, to='varying'))."
+      )
 
 
 def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
@@ -195,8 +214,7 @@ def peak(x: jax.Array) -> jax.Array:
   One fused read of ``x`` (XLA:CPU fuses a plain reduction; the boolean
   ``all(isfinite(x))`` would materialise a temporary)."""
   ct = jnp.promote_types(x.dtype, jnp.float32)
-  return jnp.max(jnp.abs(jnp.asarray(x).astype(ct)),
-                 initial=jnp.zeros((), ct))
+  return jnp.max(jnp.abs(jnp.asarray(x).astype(ct)), initial=jnp.zeros((), ct))
 
 
 def all_of(flags: Any) -> jax.Array:
@@ -210,4 +228,3 @@ def all_finite(tree: Any) -> jax.Array:
   (:func:`peak`; NaN and Inf propagate into the maximum, which unlike a sum
   cannot overflow, so it is exact)."""
   return all_of(jnp.isfinite(peak(x)) for x in jax.tree.leaves(tree))
-

@@ -20,9 +20,9 @@ import numpy as np
 
 from weighted_accum import _accum
 from weighted_accum._tree import is_traced
+from weighted_accum.state import AccumState
 
 Tracer = jax.core.Tracer
-from weighted_accum.state import AccumState
 
 _MAX_ENTRIES = 256
 # signature -> (whether every grads leaf is already on its buffer's sharding,
@@ -47,8 +47,9 @@ def _signature(tree: Any) -> tuple[Any | None, list[Any]]:
   if any(isinstance(x, Tracer) for x in leaves):
     return None, leaves
   try:
-    sig = tuple([(x.shape, x.dtype, x.weak_type, id(x.sharding))
-                 for x in leaves])
+    sig = tuple(
+      [(x.shape, x.dtype, x.weak_type, id(x.sharding)) for x in leaves]
+    )
   except AttributeError:  # NumPy arrays, Python scalars
     try:
       sig = tuple(map(_generic_signature, leaves))
@@ -59,19 +60,25 @@ def _signature(tree: Any) -> tuple[Any | None, list[Any]]:
 
 
 def _shardings(*trees: Any) -> list[Any]:
-  return [x.sharding for t in trees for x in jax.tree.leaves(t)
-          if isinstance(x, jax.Array)]
+  return [
+    x.sharding
+    for t in trees
+    for x in jax.tree.leaves(t)
+    if isinstance(x, jax.Array)
+  ]
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> bool:
   return all(
-      not (isinstance(g, jax.Array) and isinstance(b, jax.Array))
-      or g.sharding.is_equivalent_to(b.sharding, b.ndim)
-      for g, b in zip(leaves, jax.tree.leaves(state.grads)))
+    not (isinstance(g, jax.Array) and isinstance(b, jax.Array))
+    or g.sharding.is_equivalent_to(b.sharding, b.ndim)
+    for g, b in zip(leaves, jax.tree.leaves(state.grads))
+  )
 
 
-def check_microbatch(state: AccumState, grads: Any, weight: Any,
-                     name: str) -> tuple[list[Any], bool]:
+def check_microbatch(
+  state: AccumState, grads: Any, weight: Any, name: str
+) -> tuple[list[Any], bool]:
   """:func:`weighted_accum._accum.check_microbatch`, skipped for an eager
   call whose signature passed before.
 

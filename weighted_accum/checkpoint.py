@@ -29,10 +29,10 @@ from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 
 __all__ = [
-    "AccumCheckpointHandler",
-    "AccumRestore",
-    "AccumSave",
-    "abstract_state",
+  "AccumCheckpointHandler",
+  "AccumRestore",
+  "AccumSave",
+  "abstract_state",
 ]
 
 #: Key of this library's options in the item's Orbax custom metadata.
@@ -72,15 +72,15 @@ def abstract_state(params: Any, dtype: DTypeLike = jnp.float32) -> AccumState:
     >>> t.grads['w'].shape, t.grads['w'].dtype, t.dtype
     ((2, 3), dtype(bfloat16), dtype(bfloat16))
   """
-  shapes = jax.eval_shape(functools.partial(state_lib.init, dtype=dtype),
-                          params)
+  shapes = jax.eval_shape(
+    functools.partial(state_lib.init, dtype=dtype), params
+  )
 
   def with_sharding(sds, p):
     sharding = getattr(p, "sharding", None)
     return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
 
-  return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads,
-                                           params))
+  return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads, params))
 
 
 def _is_accum(x: Any) -> bool:
@@ -101,8 +101,7 @@ def _unkey(key: str) -> tuple[str, ...]:
   """The path of a :func:`_key`."""
   if not key:
     return ()
-  return tuple(k.replace("~1", "/").replace("~0", "~")
-               for k in key.split("/"))
+  return tuple(k.replace("~1", "/").replace("~0", "~") for k in key.split("/"))
 
 
 def _unwrap(x: Any) -> Any:
@@ -128,16 +127,21 @@ def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
   """``{Orbax path: (readable path, state)}`` for each AccumState in tree."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_accum)
   keys = ocp.tree.to_flat_dict(tree, is_leaf=_is_accum)
-  return {k: (_tree.path_str(p), node)
-          for (p, node), k in zip(flat, keys) if _is_accum(node)}
+  return {
+    k: (_tree.path_str(p), node)
+    for (p, node), k in zip(flat, keys)
+    if _is_accum(node)
+  }
 
 
 def _split(tree: Any, counters: Any) -> Any:
   """Replaces each AccumState by ``{'grads': ..., 'counters': {...}}``."""
+
   def split(x):
     if _is_accum(x):
       return {_GRADS: x.grads, _COUNTERS: counters(x)}
     return x
+
   return jax.tree.map(split, tree, is_leaf=_is_accum)
 
 
@@ -228,8 +232,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     self._impl = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
 
-  async def async_save(self, directory: epath.Path,
-                       args: AccumSave) -> list[Any] | None:
+  async def async_save(
+    self, directory: epath.Path, args: AccumSave
+  ) -> list[Any] | None:
     """Starts writing ``args.state``; arrays are on host when this returns.
 
     Args:
@@ -245,29 +250,34 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     if not isinstance(args, AccumSave):
       raise WeightedAccumulationError(
-          f"AccumCheckpointHandler.async_save: expected AccumSave(state), got "
-          f"{type(args).__name__}. Pass args=AccumSave(state).")
+        f"AccumCheckpointHandler.async_save: expected AccumSave(state), got "
+        f"{type(args).__name__}. Pass args=AccumSave(state)."
+      )
     tree = args.state
     states = {}
     for key, (shown, s) in _accum_nodes(tree).items():
-      for path, leaf in zip(_tree.leaf_paths(s.grads),
-                            jax.tree.leaves(s.grads)):
+      for path, leaf in zip(
+        _tree.leaf_paths(s.grads), jax.tree.leaves(s.grads)
+      ):
         if jnp.result_type(leaf) != s.dtype:
           raise WeightedAccumulationError(
-              f"AccumSave: buffer {shown}.grads{path} has dtype "
-              f"{jnp.result_type(leaf)}, but the state's work dtype is "
-              f"{s.dtype}. Save states made by this library's functions.")
+            f"AccumSave: buffer {shown}.grads{path} has dtype "
+            f"{jnp.result_type(leaf)}, but the state's work dtype is "
+            f"{s.dtype}. Save states made by this library's functions."
+          )
       states[_key(key)] = {"dtype": jnp.dtype(s.dtype).name}
     if any(_tree.is_traced(x) for x in jax.tree.leaves(tree)):
       raise WeightedAccumulationError(
-          "AccumSave: the state holds traced values; save a concrete state "
-          "outside jit.")
+        "AccumSave: the state holds traced values; save a concrete state "
+        "outside jit."
+      )
     saveable = _split(tree, _host_counters)
-    options = {OPTIONS_KEY: {"format_version": FORMAT_VERSION,
-                             "states": states}}
+    options = {
+      OPTIONS_KEY: {"format_version": FORMAT_VERSION, "states": states}
+    }
     return await self._impl.async_save(
-        directory, args=ocp.args.PyTreeSave(saveable,
-                                            custom_metadata=options))
+      directory, args=ocp.args.PyTreeSave(saveable, custom_metadata=options)
+    )
 
   def save(self, directory: epath.Path, args: AccumSave) -> None:
     """Saves synchronously (see :meth:`async_save`)."""
@@ -294,8 +304,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Releases the underlying Orbax handler."""
     self._impl.close()
 
-  def restore(self, directory: epath.Path,
-              args: AccumRestore | None = None) -> Any:
+  def restore(
+    self, directory: epath.Path, args: AccumRestore | None = None
+  ) -> Any:
     """Restores into ``args.template``'s structure, placement and dtypes.
 
     Args:
@@ -314,13 +325,15 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     template = None if args is None else args.template
     if template is None:
       raise WeightedAccumulationError(
-          f"{where}: a template is required (AccumRestore(template)); pass "
-          "the current state or abstract_state(params, dtype).")
+        f"{where}: a template is required (AccumRestore(template)); pass "
+        "the current state or abstract_state(params, dtype)."
+      )
     directory = epath.Path(directory)
     if not directory.is_dir():
       raise WeightedAccumulationError(
-          f"{where}: the item directory does not exist. The step was not "
-          "saved with this item, or its files were removed.")
+        f"{where}: the item directory does not exist. The step was not "
+        "saved with this item, or its files were removed."
+      )
     meta = self._read_metadata(directory, where)
     saved_states = self._check_options(meta.custom_metadata, where)
     want = _accum_nodes(template)
@@ -339,15 +352,17 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     restore_args = ocp.tree.from_flat_dict(flat_args, target=target)
     try:
       restored = self._impl.restore(
-          directory, args=ocp.args.PyTreeRestore(item=target,
-                                                 restore_args=restore_args))
+        directory,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
+      )
     except WeightedAccumulationError:
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise WeightedAccumulationError(
-          f"{where}: could not read the checkpoint's arrays "
-          f"({type(e).__name__}: {e}). Its files are missing, truncated or "
-          "corrupt (an interrupted copy?); restore another step.") from e
+        f"{where}: could not read the checkpoint's arrays "
+        f"({type(e).__name__}: {e}). Its files are missing, truncated or "
+        "corrupt (an interrupted copy?); restore another step."
+      ) from e
     out = self._rebuild(template, restored, where)
     loss_scale.check_restored(out, what=where)  # scale and tracker
     return out
@@ -357,85 +372,106 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       return self._impl.metadata(directory)
     except FileNotFoundError as e:
       raise WeightedAccumulationError(
-          f"{where}: the metadata file is missing ({e}). The item is "
-          "incomplete; restore another step.") from e
+        f"{where}: the metadata file is missing ({e}). The item is "
+        "incomplete; restore another step."
+      ) from e
     except Exception as e:  # pylint: disable=broad-exception-caught
       # Orbax reads _METADATA, then every array's TensorStore metadata.
       raise WeightedAccumulationError(
-          f"{where}: could not read the item's metadata ({type(e).__name__}: "
-          f"{e}). Its files are missing, truncated or corrupt (an "
-          "interrupted copy?); restore another step.") from e
+        f"{where}: could not read the item's metadata ({type(e).__name__}: "
+        f"{e}). Its files are missing, truncated or corrupt (an "
+        "interrupted copy?); restore another step."
+      ) from e
 
   def _check_options(self, custom: Any, where: str) -> dict[str, Any]:
     options = custom.get(OPTIONS_KEY) if isinstance(custom, dict) else None
     if not isinstance(options, dict):
       raise WeightedAccumulationError(
-          f"{where}: the item holds no '{OPTIONS_KEY}' options, so it was "
-          "not written by AccumSave. Restore it with the args it was saved "
-          "with (e.g. ocp.args.StandardRestore).")
+        f"{where}: the item holds no '{OPTIONS_KEY}' options, so it was "
+        "not written by AccumSave. Restore it with the args it was saved "
+        "with (e.g. ocp.args.StandardRestore)."
+      )
     version = options.get("format_version")
     if version not in SUPPORTED_FORMAT_VERSIONS:
       raise WeightedAccumulationError(
-          f"{where}: option 'format_version' is {version!r}; this version of "
-          f"weighted_accum reads {list(SUPPORTED_FORMAT_VERSIONS)}. Upgrade "
-          "weighted_accum to restore it.")
+        f"{where}: option 'format_version' is {version!r}; this version of "
+        f"weighted_accum reads {list(SUPPORTED_FORMAT_VERSIONS)}. Upgrade "
+        "weighted_accum to restore it."
+      )
     states = options.get("states")
     if not isinstance(states, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("dtype"), str)
-        for v in states.values()):
+      isinstance(v, dict) and isinstance(v.get("dtype"), str)
+      for v in states.values()
+    ):
       raise WeightedAccumulationError(
-          f"{where}: option 'states' is malformed ({states!r}); the metadata "
-          "is corrupt.")
+        f"{where}: option 'states' is malformed ({states!r}); the metadata "
+        "is corrupt."
+      )
     return states
 
-  def _check_states(self, want: dict[str, tuple[str, AccumState]],
-                    saved: dict[str, Any], where: str) -> None:
+  def _check_states(
+    self,
+    want: dict[str, tuple[str, AccumState]],
+    saved: dict[str, Any],
+    where: str,
+  ) -> None:
     for path, (shown, s) in want.items():
       key = _key(path)
       if key not in saved:
         raise WeightedAccumulationError(
-            f"{where}: the template has an AccumState at {shown}, but the "
-            "checkpoint has none there. Restore with a template of the "
-            "structure that was saved.")
+          f"{where}: the template has an AccumState at {shown}, but the "
+          "checkpoint has none there. Restore with a template of the "
+          "structure that was saved."
+        )
       saved_dtype = _inputs.work_dtype(
-          saved[key]["dtype"],
-          what=f"{where}: option 'dtype' of the AccumState at {shown} (the "
-          "checkpoint's metadata is corrupt, or needs jax_enable_x64)")
+        saved[key]["dtype"],
+        what=f"{where}: option 'dtype' of the AccumState at {shown} (the "
+        "checkpoint's metadata is corrupt, or needs jax_enable_x64)",
+      )
       if saved_dtype != jnp.dtype(s.dtype):
         raise WeightedAccumulationError(
-            f"{where}: option 'dtype' of the AccumState at {shown} is "
-            f"{saved_dtype}, but the template's work dtype is "
-            f"{jnp.dtype(s.dtype)}. Orbax would cast the buffers silently; "
-            "this library refuses. Restore with abstract_state(params, "
-            f"dtype=jnp.{saved_dtype}) and convert explicitly if you must.")
+          f"{where}: option 'dtype' of the AccumState at {shown} is "
+          f"{saved_dtype}, but the template's work dtype is "
+          f"{jnp.dtype(s.dtype)}. Orbax would cast the buffers silently; "
+          "this library refuses. Restore with abstract_state(params, "
+          f"dtype=jnp.{saved_dtype}) and convert explicitly if you must."
+        )
     extra = sorted(set(saved) - {_key(p) for p in want})
     if extra:
       raise WeightedAccumulationError(
-          f"{where}: the checkpoint has an AccumState at "
-          f"{_show(_unkey(extra[0]))}, but the "
-          "template has none there. Restore with a template of the "
-          "structure that was saved.")
+        f"{where}: the checkpoint has an AccumState at "
+        f"{_show(_unkey(extra[0]))}, but the "
+        "template has none there. Restore with a template of the "
+        "structure that was saved."
+      )
 
-  def _check_structure(self, flat_target: dict, flat_meta: dict,
-                       shown: dict, where: str) -> None:
+  def _check_structure(
+    self, flat_target: dict, flat_meta: dict, shown: dict, where: str
+  ) -> None:
     missing, extra = _tree.diff_paths(list(flat_target), list(flat_meta))
     if missing:
       raise WeightedAccumulationError(
-          f"{where}: leaf {shown[missing[0]]} of the template is missing from "
-          f"the checkpoint ({len(missing)} missing in all). Restore with a "
-          "template built from the params that were saved.")
+        f"{where}: leaf {shown[missing[0]]} of the template is missing from "
+        f"the checkpoint ({len(missing)} missing in all). Restore with a "
+        "template built from the params that were saved."
+      )
     if extra:
       raise WeightedAccumulationError(
-          f"{where}: the checkpoint has leaf {_show(extra[0])}, which the "
-          f"template lacks ({len(extra)} extra in all). Restore with a "
-          "template built from the params that were saved.")
+        f"{where}: the checkpoint has leaf {_show(extra[0])}, which the "
+        f"template lacks ({len(extra)} extra in all). Restore with a "
+        "template built from the params that were saved."
+      )
 
-  def _restore_arg(self, role: str, leaf: Any, meta: Any, shown: str,
-                   where: str) -> Any:
+  def _restore_arg(
+    self, role: str, leaf: Any, meta: Any, shown: str, where: str
+  ) -> Any:
     if isinstance(leaf, (bool, int, float, complex)):
       return ocp.RestoreArgs(restore_type=type(leaf))
-    if role == "counter" or not isinstance(
-        leaf, (jax.Array, jax.ShapeDtypeStruct)) or _uncommitted(leaf):
+    if (
+      role == "counter"
+      or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+      or _uncommitted(leaf)
+    ):
       # Placed afterwards (see _rebuild and _like).
       return ocp.RestoreArgs(restore_type=np.ndarray)
     sharding = leaf.sharding
@@ -445,17 +481,23 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         sharding = saved.to_jax_sharding() if saved is not None else None
       except ValueError as e:
         raise WeightedAccumulationError(
-            f"{where}: template leaf {shown} has no sharding and the saved "
-            f"one ({saved}) does not fit the current devices. Pass a "
-            "template with shardings, e.g. abstract_state(params).") from e
+          f"{where}: template leaf {shown} has no sharding and the saved "
+          f"one ({saved}) does not fit the current devices. Pass a "
+          "template with shardings, e.g. abstract_state(params)."
+        ) from e
     if sharding is None:
       return ocp.RestoreArgs(restore_type=np.ndarray)
-    return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sharding,
-                                global_shape=tuple(leaf.shape), strict=True)
+    return ocp.ArrayRestoreArgs(
+      restore_type=jax.Array,
+      sharding=sharding,
+      global_shape=tuple(leaf.shape),
+      strict=True,
+    )
 
   def _rebuild(self, template: Any, restored: Any, where: str) -> Any:
     flat_t, treedef = jax.tree_util.tree_flatten_with_path(
-        template, is_leaf=_is_accum)
+      template, is_leaf=_is_accum
+    )
     flat_r = treedef.flatten_up_to(restored)
     out = []
     for (path, t), r in zip(flat_t, flat_r):
@@ -463,8 +505,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         out.append(_like(t, r))
         continue
       here = f"{where}: AccumState at {_tree.path_str(path)}"
-      counters = _counters.validate(r[_COUNTERS], what=f"{here}, counters",
-                                    work_dtype=t.dtype)
+      counters = _counters.validate(
+        r[_COUNTERS], what=f"{here}, counters", work_dtype=t.dtype
+      )
       try:
         s = state_lib.from_buffers(r[_GRADS], r[_GRADS], counters)
       except WeightedAccumulationError as e:
@@ -477,42 +520,51 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         like = _unwrap(getattr(t, name))
         # An uncommitted template scalar (as from wa.init) stays uncommitted,
         # so that it may meet buffers on any mesh under jit.
-        sharding = (None if _uncommitted(like)
-                    else getattr(like, "sharding", None))
+        sharding = (
+          None if _uncommitted(like) else getattr(like, "sharding", None)
+        )
         value = getattr(s, name)
-        placed[name] = _rewrap(getattr(t, name), (
-            value if sharding is None else jax.device_put(value, sharding)))
+        placed[name] = _rewrap(
+          getattr(t, name),
+          (value if sharding is None else jax.device_put(value, sharding)),
+        )
       out.append(s.replace(**placed))
     return treedef.unflatten(out)
 
 
-def _check_leaf(leaf: Any, m: Any, role: str, expect: np.dtype | None,
-                shown: str, where: str) -> None:
+def _check_leaf(
+  leaf: Any, m: Any, role: str, expect: np.dtype | None, shown: str, where: str
+) -> None:
   """Refuses a template leaf whose dtype or shape differs from the saved one
   (Orbax would cast or reshape silently)."""
   if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
     raise WeightedAccumulationError(
-        f"{where}: template leaf {shown} has dtype "
-        f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
-        f"{expect}. Build the template with abstract_state(params, "
-        "dtype).")
+      f"{where}: template leaf {shown} has dtype "
+      f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
+      f"{expect}. Build the template with abstract_state(params, "
+      "dtype)."
+    )
   if np.shape(leaf) != tuple(m.shape):
     raise WeightedAccumulationError(
-        f"{where}: leaf {shown} has shape {tuple(m.shape)} in the "
-        f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
-        "a template built from the params that were saved.")
+      f"{where}: leaf {shown} has shape {tuple(m.shape)} in the "
+      f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
+      "a template built from the params that were saved."
+    )
   if expect is not None and np.dtype(m.dtype) != expect:
     raise WeightedAccumulationError(
-        f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, "
-        f"but the template expects {expect}. Orbax would cast it "
-        "silently; this library refuses. Restore with a template of the "
-        "saved dtype (e.g. abstract_state(params, dtype=...)) and "
-        "convert explicitly.")
+      f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, "
+      f"but the template expects {expect}. Orbax would cast it "
+      "silently; this library refuses. Restore with a template of the "
+      "saved dtype (e.g. abstract_state(params, dtype=...)) and "
+      "convert explicitly."
+    )
 
 
-def _role(key: tuple[str, ...], leaf: Any,
-          states: dict[tuple[str, ...], tuple[str, AccumState]]
-          ) -> tuple[str, np.dtype | None]:
+def _role(
+  key: tuple[str, ...],
+  leaf: Any,
+  states: dict[tuple[str, ...], tuple[str, AccumState]],
+) -> tuple[str, np.dtype | None]:
   """What a saved leaf is ('buffer', 'counter', 'other') and its dtype."""
   for path, (_, s) in states.items():
     n = len(path)
@@ -537,14 +589,15 @@ def _like(template_leaf: Any, value: Any) -> Any:
   if _uncommitted(template_leaf):
     return jnp.asarray(value)
   if isinstance(template_leaf, (bool, int, float, complex)) and not isinstance(
-      value, type(template_leaf)):
+    value, type(template_leaf)
+  ):
     return type(template_leaf)(np.asarray(value).item())
   if isinstance(template_leaf, np.generic):
     return np.asarray(value, template_leaf.dtype)[()]
   return value
 
 
-ocp.args.register_with_handler(AccumCheckpointHandler, for_save=True)(
-    AccumSave)
+ocp.args.register_with_handler(AccumCheckpointHandler, for_save=True)(AccumSave)
 ocp.args.register_with_handler(AccumCheckpointHandler, for_restore=True)(
-    AccumRestore)
+  AccumRestore
+)

@@ -18,16 +18,17 @@ from jax.typing import ArrayLike
 from weighted_accum import _accum
 from weighted_accum import _finish
 from weighted_accum import _inputs
+from weighted_accum import _tally
 from weighted_accum import _tree
 from weighted_accum import _validation_cache
-from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 
 
-def accumulate_sum(state: AccumState, grads: Any, weight: ArrayLike, *,
-                   checked: bool = False) -> AccumState:
+def accumulate_sum(
+  state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
+) -> AccumState:
   """Adds the gradients of a microbatch's loss SUM.
 
   ``buffer += cast(grads, work dtype)``; the window's weight grows by
@@ -68,14 +69,23 @@ def accumulate_sum(state: AccumState, grads: Any, weight: ArrayLike, *,
     >>> out.weight.item()
     4.0
   """
-  leaves, placed = _validation_cache.check_microbatch(state, grads, weight,
-                                                      "accumulate_sum")
-  return _accum.add(state, leaves, weight, mean=False, checked=checked,
-                    placed=placed, name="accumulate_sum")
+  leaves, placed = _validation_cache.check_microbatch(
+    state, grads, weight, "accumulate_sum"
+  )
+  return _accum.add(
+    state,
+    leaves,
+    weight,
+    mean=False,
+    checked=checked,
+    placed=placed,
+    name="accumulate_sum",
+  )
 
 
-def accumulate_mean(state: AccumState, grads: Any, weight: ArrayLike, *,
-                    checked: bool = False) -> AccumState:
+def accumulate_mean(
+  state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
+) -> AccumState:
   """Adds the gradients of a microbatch's loss MEAN, weighted by its size.
 
   ``buffer += cast(grads, work dtype) * weight`` (multiplied after the
@@ -105,20 +115,30 @@ def accumulate_mean(state: AccumState, grads: Any, weight: ArrayLike, *,
     >>> out.grads['w'].item()
     2.0
   """
-  leaves, placed = _validation_cache.check_microbatch(state, grads, weight,
-                                                      "accumulate_mean")
-  return _accum.add(state, leaves, weight, mean=True, checked=checked,
-                    placed=placed, name="accumulate_mean")
+  leaves, placed = _validation_cache.check_microbatch(
+    state, grads, weight, "accumulate_mean"
+  )
+  return _accum.add(
+    state,
+    leaves,
+    weight,
+    mean=True,
+    checked=checked,
+    placed=placed,
+    name="accumulate_mean",
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("mean",))
-def _finish_kernel(state: AccumState, next_loss_scale: jax.Array | None,
-                   mean: bool) -> tuple[AccumulatedGradients, AccumState]:
+def _finish_kernel(
+  state: AccumState, next_loss_scale: jax.Array | None, mean: bool
+) -> tuple[AccumulatedGradients, AccumState]:
   return _finish.finish(state, mean=mean, next_loss_scale=next_loss_scale)
 
 
-def finish_sums(state: AccumState, *, next_loss_scale: ArrayLike | None = None
-                ) -> tuple[AccumulatedGradients, AccumState]:
+def finish_sums(
+  state: AccumState, *, next_loss_scale: ArrayLike | None = None
+) -> tuple[AccumulatedGradients, AccumState]:
   """Returns the window's still-scaled sums and local weight, then resets.
 
   For data parallelism: reduce ``out.grads`` and ``out.weight`` across
@@ -151,9 +171,12 @@ def finish_sums(state: AccumState, *, next_loss_scale: ArrayLike | None = None
   return _finish_kernel(state, next_loss_scale, mean=False)
 
 
-def finish_mean(state: AccumState, *, next_loss_scale: ArrayLike | None = None,
-                checked: bool = False
-                ) -> tuple[AccumulatedGradients, AccumState]:
+def finish_mean(
+  state: AccumState,
+  *,
+  next_loss_scale: ArrayLike | None = None,
+  checked: bool = False,
+) -> tuple[AccumulatedGradients, AccumState]:
   """Divides the window's sums by the loss scale, then by its total weight.
 
   The result equals the gradient of the full batch's mean loss whatever the
@@ -198,16 +221,21 @@ def finish_mean(state: AccumState, *, next_loss_scale: ArrayLike | None = None,
     total = state.total_weight
     if not total > 0:
       raise WeightedAccumulationError(
-          f"finish_mean: the window's total weight is {total!r} after "
-          f"{int(issued)} microbatch(es) ({int(state.zero_weight)} of weight "
-          f"0, {int(state.rejected)} rejected), so there is no mean to take. "
-          "Nothing was cleared: accumulate more microbatches, or use "
-          "finish_sums to hand zero sums to a cross-replica reduction.")
+        f"finish_mean: the window's total weight is {total!r} after "
+        f"{int(issued)} microbatch(es) ({int(state.zero_weight)} of weight "
+        f"0, {int(state.rejected)} rejected), so there is no mean to take. "
+        "Nothing was cleared: accumulate more microbatches, or use "
+        "finish_sums to hand zero sums to a cross-replica reduction."
+      )
   elif checked:
     weight = _tally.join_traced(state.weight_hi, state.weight_lo)
-    checkify.check(weight > 0, "finish_mean: the window's total weight is "
-                   "{w}, so there is no mean to take; the state was left "
-                   "unchanged and zero grads returned.", w=weight)
+    checkify.check(
+      weight > 0,
+      "finish_mean: the window's total weight is "
+      "{w}, so there is no mean to take; the state was left "
+      "unchanged and zero grads returned.",
+      w=weight,
+    )
   return _finish_kernel(state, next_loss_scale, mean=True)
 
 
@@ -216,5 +244,6 @@ def _next_loss_scale(state: AccumState, value: Any, what: str) -> Any:
   concrete (raises), NaN when traced and invalid (``docs/inputs.md``)."""
   if value is None:
     return None
-  return _inputs.loss_scale(value, what=f"{what}(next_loss_scale=...)",
-                            dtype=state.loss_scale.dtype)
+  return _inputs.loss_scale(
+    value, what=f"{what}(next_loss_scale=...)", dtype=state.loss_scale.dtype
+  )

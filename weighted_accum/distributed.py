@@ -20,9 +20,9 @@ from jax.typing import DTypeLike
 
 from weighted_accum import _accum
 from weighted_accum import _arith
-from weighted_accum import _inputs
 from weighted_accum import _counters
 from weighted_accum import _finish
+from weighted_accum import _inputs
 from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import state as state_lib
@@ -35,12 +35,20 @@ AxisName = str | Sequence[str]
 REDUCE_MODES = ("window", "microbatch")
 
 __all__ = [
-    "REDUCE_MODES", "accumulate_mean", "accumulate_sum", "finish_mean",
-    "init", "is_reduced", "local_grad", "local_value_and_grad", "reduce_sums",
+  "REDUCE_MODES",
+  "accumulate_mean",
+  "accumulate_sum",
+  "finish_mean",
+  "init",
+  "is_reduced",
+  "local_grad",
+  "local_value_and_grad",
+  "reduce_sums",
 ]
 
 
 # ----------------------------------------------------------------- helpers --
+
 
 def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
   """Normalises ``axis_name`` to a tuple and checks every axis is bound."""
@@ -50,10 +58,11 @@ def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
       jax.lax.axis_size(a)
     except NameError as e:
       raise WeightedAccumulationError(
-          f"{what}: axis {a!r} is not bound here. Call this inside "
-          f"jax.shard_map over a mesh with an axis named {a!r}; under plain "
-          "jax.jit use the core functions on global arrays instead (see "
-          "weighted_accum.distributed).") from e
+        f"{what}: axis {a!r} is not bound here. Call this inside "
+        f"jax.shard_map over a mesh with an axis named {a!r}; under plain "
+        "jax.jit use the core functions on global arrays instead (see "
+        "weighted_accum.distributed)."
+      ) from e
   return axes
 
 
@@ -76,12 +85,14 @@ def _to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
 def _check_reduce(reduce: str, what: str) -> None:
   if reduce not in REDUCE_MODES:
     raise WeightedAccumulationError(
-        f"{what}: reduce={reduce!r} is not one of {REDUCE_MODES}. Use "
-        "'window' (one all-reduce per window, the default) or 'microbatch'.")
+      f"{what}: reduce={reduce!r} is not one of {REDUCE_MODES}. Use "
+      "'window' (one all-reduce per window, the default) or 'microbatch'."
+    )
 
 
-def _leaf_status(leaves: list[Any], paths: list[str],
-                 axes: tuple[str, ...], what: str) -> bool:
+def _leaf_status(
+  leaves: list[Any], paths: list[str], axes: tuple[str, ...], what: str
+) -> bool:
   """True when all leaves are already reduced over ``axes``, False when all
   are local; raises for a mixture."""
   if not _tree.vma_checked(axes):
@@ -91,24 +102,27 @@ def _leaf_status(leaves: list[Any], paths: list[str],
     v = _tree.varying_axes(x) & set(axes)
     if v and v != set(axes):
       raise WeightedAccumulationError(
-          f"{what}: leaf {path} varies over {sorted(v)} but not over "
-          f"{sorted(set(axes) - v)}; gradients must be either all local "
-          f"(varying over every axis of {axes}) or all already reduced. Get "
-          "them with weighted_accum.distributed.local_grad.")
+        f"{what}: leaf {path} varies over {sorted(v)} but not over "
+        f"{sorted(set(axes) - v)}; gradients must be either all local "
+        f"(varying over every axis of {axes}) or all already reduced. Get "
+        "them with weighted_accum.distributed.local_grad."
+      )
     reduced = not v
     if status is None:
       status = (path, reduced)
     elif status[1] != reduced:
       kind = lambda r: "already reduced (unvarying)" if r else "local (varying)"
       raise WeightedAccumulationError(
-          f"{what}: leaf {path} is {kind(reduced)} over {axes} but leaf "
-          f"{status[0]} is {kind(status[1])}. Differentiate with respect to "
-          "all params in one way: weighted_accum.distributed.local_grad casts "
-          "them all to varying.")
+        f"{what}: leaf {path} is {kind(reduced)} over {axes} but leaf "
+        f"{status[0]} is {kind(status[1])}. Differentiate with respect to "
+        "all params in one way: weighted_accum.distributed.local_grad casts "
+        "them all to varying."
+      )
   return bool(status and status[1])
 
 
 # ---------------------------------------------------------------- autodiff --
+
 
 def is_reduced(grads: Any, axis_name: AxisName) -> bool:
   """Whether ``grads`` were already summed over ``axis_name`` by autodiff.
@@ -150,12 +164,14 @@ def is_reduced(grads: Any, axis_name: AxisName) -> bool:
   """
   axes = _axes(axis_name, "is_reduced")
   leaves = jax.tree.leaves(grads)
-  return _leaf_status(leaves, _tree.leaf_paths(grads), axes,
-                      "is_reduced(grads)")
+  return _leaf_status(
+    leaves, _tree.leaf_paths(grads), axes, "is_reduced(grads)"
+  )
 
 
-def _cast_args(args: tuple, argnums: int | Sequence[int],
-               axes: tuple[str, ...]) -> tuple:
+def _cast_args(
+  args: tuple, argnums: int | Sequence[int], axes: tuple[str, ...]
+) -> tuple:
   nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
   args = list(args)
   for i in nums:
@@ -163,9 +179,13 @@ def _cast_args(args: tuple, argnums: int | Sequence[int],
   return tuple(args)
 
 
-def local_grad(fun: Callable[..., Any], axis_name: AxisName, *,
-               argnums: int | Sequence[int] = 0,
-               has_aux: bool = False) -> Callable[..., Any]:
+def local_grad(
+  fun: Callable[..., Any],
+  axis_name: AxisName,
+  *,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
   """``jax.grad`` that returns this replica's own gradient inside shard_map.
 
   Casts the differentiated arguments to varying over ``axis_name`` first
@@ -210,9 +230,13 @@ def local_grad(fun: Callable[..., Any], axis_name: AxisName, *,
   return wrapped
 
 
-def local_value_and_grad(fun: Callable[..., Any], axis_name: AxisName, *,
-                         argnums: int | Sequence[int] = 0,
-                         has_aux: bool = False) -> Callable[..., Any]:
+def local_value_and_grad(
+  fun: Callable[..., Any],
+  axis_name: AxisName,
+  *,
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
   """``jax.value_and_grad`` with this replica's own gradient; see
   :func:`local_grad`.
 
@@ -256,8 +280,13 @@ def local_value_and_grad(fun: Callable[..., Any], axis_name: AxisName, *,
 
 # ------------------------------------------------------------ accumulation --
 
-def init(params: Any, axis_name: AxisName, dtype: DTypeLike = jnp.float32,
-         loss_scale: ArrayLike = 1.0) -> AccumState:
+
+def init(
+  params: Any,
+  axis_name: AxisName,
+  dtype: DTypeLike = jnp.float32,
+  loss_scale: ArrayLike = 1.0,
+) -> AccumState:
   """An empty per-replica window for ``reduce="window"`` inside shard_map.
 
   Like :func:`weighted_accum.init`, then every per-replica leaf (buffers,
@@ -295,44 +324,60 @@ def init(params: Any, axis_name: AxisName, dtype: DTypeLike = jnp.float32,
   """
   axes = _axes(axis_name, "distributed.init")
   s = state_lib.init(params, dtype=dtype, loss_scale=loss_scale)
-  per_replica = ("grads",) + _counters.named(_counters.SUMMED) + (
-      _counters.named(_counters.LOCAL))
-  return s.replace(**{k: _to_varying(getattr(s, k), axes)
-                      for k in per_replica})
+  per_replica = (
+    ("grads",)
+    + _counters.named(_counters.SUMMED)
+    + (_counters.named(_counters.LOCAL))
+  )
+  return s.replace(**{k: _to_varying(getattr(s, k), axes) for k in per_replica})
 
 
-def _check_microbatch_mode(state: AccumState, axes: tuple[str, ...],
-                           what: str) -> None:
-  varying = [p for p, b in _tree.flat(state.grads)
-             if _tree.varying_axes(b) & set(axes)]
+def _check_microbatch_mode(
+  state: AccumState, axes: tuple[str, ...], what: str
+) -> None:
+  varying = [
+    p for p, b in _tree.flat(state.grads) if _tree.varying_axes(b) & set(axes)
+  ]
   if varying:
     raise WeightedAccumulationError(
-        f"{what}(state): buffer {varying[0]} varies over {axes}: this "
-        "window holds per-replica sums (reduce='window'). Keep one mode per "
-        "window: pass reduce='window', or start the window with "
-        "weighted_accum.init for reduce='microbatch'.")
+      f"{what}(state): buffer {varying[0]} varies over {axes}: this "
+      "window holds per-replica sums (reduce='window'). Keep one mode per "
+      "window: pass reduce='window', or start the window with "
+      "weighted_accum.init for reduce='microbatch'."
+    )
 
 
-def _accumulate(state: AccumState, grads: Any, weight: Any,
-                axis_name: AxisName, *, mean: bool, reduce: str,
-                checked: bool, name: str) -> AccumState:
+def _accumulate(
+  state: AccumState,
+  grads: Any,
+  weight: Any,
+  axis_name: AxisName,
+  *,
+  mean: bool,
+  reduce: str,
+  checked: bool,
+  name: str,
+) -> AccumState:
   """Validates once, then adds the microbatch (see ``docs/design.md``,
   "Data parallelism", for the cases)."""
   what = f"distributed.{name}"
   axes = _axes(axis_name, what)
   _check_reduce(reduce, what)
-  leaves = _accum.check_microbatch(state, grads, weight, what,
-                                   allow_reduced=True)
+  leaves = _accum.check_microbatch(
+    state, grads, weight, what, allow_reduced=True
+  )
   if reduce == "microbatch" and _tree.vma_checked(axes):
     _check_microbatch_mode(state, axes, what)
-  reduced = _leaf_status(leaves, _tree.leaf_paths(state.grads), axes,
-                         f"{what}(grads)")
+  reduced = _leaf_status(
+    leaves, _tree.leaf_paths(state.grads), axes, f"{what}(grads)"
+  )
   if not reduced and reduce == "window":
-    return _accum.add(state, leaves, weight, mean=mean, checked=checked,
-                      name=what)
-  contrib, gweight = _global_contribution(state, leaves, weight, axes,
-                                          mean=mean, reduced=reduced,
-                                          what=what)
+    return _accum.add(
+      state, leaves, weight, mean=mean, checked=checked, name=what
+    )
+  contrib, gweight = _global_contribution(
+    state, leaves, weight, axes, mean=mean, reduced=reduced, what=what
+  )
   if reduce == "window":
     # Reduced grads in a per-replica window: one replica owns the global
     # contribution, the others add nothing; finish_mean's psum restores it
@@ -341,13 +386,21 @@ def _accumulate(state: AccumState, grads: Any, weight: Any,
     gweight = jnp.where(owner | jnp.isnan(gweight), gweight, 0.0)
     # The window's buffers are per replica from here on (typed varying).
     contrib = _to_varying(contrib, axes)
-  return _accum.add(state, contrib, gweight, mean=False, checked=checked,
-                    name=what)
+  return _accum.add(
+    state, contrib, gweight, mean=False, checked=checked, name=what
+  )
 
 
-def _global_contribution(state: AccumState, leaves: list[Any], weight: Any,
-                         axes: tuple[str, ...], *, mean: bool, reduced: bool,
-                         what: str) -> tuple[list[Any], jax.Array]:
+def _global_contribution(
+  state: AccumState,
+  leaves: list[Any],
+  weight: Any,
+  axes: tuple[str, ...],
+  *,
+  mean: bool,
+  reduced: bool,
+  what: str,
+) -> tuple[list[Any], jax.Array]:
   """The microbatch's global contribution to the sums and its global weight
   (NaN, which rejects it, when any replica's weight is invalid)."""
   dt = state.dtype
@@ -359,13 +412,14 @@ def _global_contribution(state: AccumState, leaves: list[Any], weight: Any,
   if reduced and mean:
     if set(axes) & _tree.varying_axes(weight):
       raise WeightedAccumulationError(
-          f"{what}(grads): these gradients of per-replica MEAN losses were "
-          f"already summed over {axes} by autodiff (the params are unvarying "
-          "there), which weights every replica equally whatever its item "
-          "count, and the weights differ per replica: this cannot be undone. "
-          "Differentiate with weighted_accum.distributed.local_grad (or "
-          f"jax.lax.pcast(params, {axes!r}, to='varying')), or differentiate "
-          "the loss SUM and use accumulate_sum.")
+        f"{what}(grads): these gradients of per-replica MEAN losses were "
+        f"already summed over {axes} by autodiff (the params are unvarying "
+        "there), which weights every replica equally whatever its item "
+        "count, and the weights differ per replica: this cannot be undone. "
+        "Differentiate with weighted_accum.distributed.local_grad (or "
+        f"jax.lax.pcast(params, {axes!r}, to='varying')), or differentiate "
+        "the loss SUM and use accumulate_sum."
+      )
     # Every replica divided by the same count n: n * grads is the sum of the
     # replicas' loss-sum gradients, and the global weight is n * replicas.
     contrib = [_arith.mean_contribution(g, w_ok, dt) for g in leaves]
@@ -376,17 +430,30 @@ def _global_contribution(state: AccumState, leaves: list[Any], weight: Any,
   else:  # local gradients, reduce="microbatch": one psum of sums and weight
     take = ~bad & (w_ok > 0)
     zero = jnp.zeros((), dt)
-    contrib = [jnp.where(take, _arith.mean_contribution(g, w_ok, dt) if mean
-                         else g.astype(dt), zero) for g in leaves]
+    contrib = [
+      jnp.where(
+        take,
+        _arith.mean_contribution(g, w_ok, dt) if mean else g.astype(dt),
+        zero,
+      )
+      for g in leaves
+    ]
     contrib, total, n_bad = jax.lax.psum(
-        (contrib, w_ok, bad.astype(jnp.float32)), axes)
+      (contrib, w_ok, bad.astype(jnp.float32)), axes
+    )
   # Any replica's invalid weight rejects the microbatch on every replica.
   return contrib, jnp.where(n_bad > 0, jnp.nan, total)
 
 
-def accumulate_sum(state: AccumState, grads: Any, weight: ArrayLike,
-                   axis_name: AxisName, *, reduce: str = "window",
-                   checked: bool = False) -> AccumState:
+def accumulate_sum(
+  state: AccumState,
+  grads: Any,
+  weight: ArrayLike,
+  axis_name: AxisName,
+  *,
+  reduce: str = "window",
+  checked: bool = False,
+) -> AccumState:
   """Adds a replica's gradients of its microbatch's loss SUM, inside shard_map.
 
   Accepts local gradients (from :func:`local_grad`) and gradients already
@@ -435,13 +502,27 @@ def accumulate_sum(state: AccumState, grads: Any, weight: ArrayLike,
     >>> float(f(jnp.ones(()), x))          # their mean, with any device count
     1.5
   """
-  return _accumulate(state, grads, weight, axis_name, mean=False,
-                     reduce=reduce, checked=checked, name="accumulate_sum")
+  return _accumulate(
+    state,
+    grads,
+    weight,
+    axis_name,
+    mean=False,
+    reduce=reduce,
+    checked=checked,
+    name="accumulate_sum",
+  )
 
 
-def accumulate_mean(state: AccumState, grads: Any, weight: ArrayLike,
-                    axis_name: AxisName, *, reduce: str = "window",
-                    checked: bool = False) -> AccumState:
+def accumulate_mean(
+  state: AccumState,
+  grads: Any,
+  weight: ArrayLike,
+  axis_name: AxisName,
+  *,
+  reduce: str = "window",
+  checked: bool = False,
+) -> AccumState:
   """Adds a replica's gradients of its microbatch's loss MEAN, inside shard_map.
 
   ``weight`` is THIS replica's count the mean divided by; the contribution
@@ -483,14 +564,24 @@ def accumulate_mean(state: AccumState, grads: Any, weight: ArrayLike,
     >>> float(f(jnp.ones(()), jnp.tile(jnp.arange(4.), n)))
     1.5
   """
-  return _accumulate(state, grads, weight, axis_name, mean=True,
-                     reduce=reduce, checked=checked, name="accumulate_mean")
+  return _accumulate(
+    state,
+    grads,
+    weight,
+    axis_name,
+    mean=True,
+    reduce=reduce,
+    checked=checked,
+    name="accumulate_mean",
+  )
 
 
 # --------------------------------------------------------------- reduction --
 
-def reduce_sums(out: AccumulatedGradients,
-                axis_name: AxisName) -> AccumulatedGradients:
+
+def reduce_sums(
+  out: AccumulatedGradients, axis_name: AxisName
+) -> AccumulatedGradients:
   """The global mean from a replica's :func:`weighted_accum.finish_sums`.
 
   One collective round (one ``psum`` of the sums together with the weight and
@@ -534,20 +625,26 @@ def reduce_sums(out: AccumulatedGradients,
   return _finish.reduce_finished(out, axes, what="reduce_sums")
 
 
-def _check_global_window(state: AccumState, axes: tuple[str, ...],
-                         what: str) -> None:
+def _check_global_window(
+  state: AccumState, axes: tuple[str, ...], what: str
+) -> None:
   named = [("weight", state.weight_hi)] + _tree.flat(state.grads)
   for path, x in named:
     if _tree.varying_axes(x) & set(axes):
       raise WeightedAccumulationError(
-          f"{what}(state): {path} varies over {axes}, so the window holds "
-          "per-replica values, not the global sums reduce='microbatch' "
-          "keeps. Finish it with reduce='window'.")
+        f"{what}(state): {path} varies over {axes}, so the window holds "
+        "per-replica values, not the global sums reduce='microbatch' "
+        "keeps. Finish it with reduce='window'."
+      )
 
 
-def finish_mean(state: AccumState, axis_name: AxisName, *,
-                reduce: str = "window", next_loss_scale: ArrayLike | None = None
-                ) -> tuple[AccumulatedGradients, AccumState]:
+def finish_mean(
+  state: AccumState,
+  axis_name: AxisName,
+  *,
+  reduce: str = "window",
+  next_loss_scale: ArrayLike | None = None,
+) -> tuple[AccumulatedGradients, AccumState]:
   """Finishes a data-parallel window: the exact global mean gradient.
 
   ``reduce="window"``: :func:`weighted_accum.finish_sums` then
@@ -600,13 +697,16 @@ def finish_mean(state: AccumState, axis_name: AxisName, *,
   _check_reduce(reduce, what)
   if next_loss_scale is not None:
     next_loss_scale = _inputs.loss_scale(
-        next_loss_scale, what=f"{what}(next_loss_scale=...)",
-        dtype=state.loss_scale.dtype)
+      next_loss_scale,
+      what=f"{what}(next_loss_scale=...)",
+      dtype=state.loss_scale.dtype,
+    )
   if reduce == "microbatch":
     if _tree.vma_checked(axes):
       _check_global_window(state, axes, what)
     out, new_state = core.finish_mean(state, next_loss_scale=next_loss_scale)
     # Each accumulate call covered one microbatch on every replica.
     return out.replace(issued=out.issued * _axes_size(axes)), new_state
-  return _finish.finish(state, mean=True, next_loss_scale=next_loss_scale,
-                        axes=axes, what=what)
+  return _finish.finish(
+    state, mean=True, next_loss_scale=next_loss_scale, axes=axes, what=what
+  )

@@ -54,22 +54,27 @@ def check_floating_dtype(dtype: Any, *, what: str) -> jnp.dtype:
   The one dtype path (``weighted_accum._inputs.work_dtype``).
   """
   from weighted_accum import _inputs  # pylint: disable=g-import-not-at-top
+
   return _inputs.work_dtype(dtype, what=what)
 
 
-def check_loss_scale(loss_scale: Any, *, what: str = "loss_scale",
-                     dtype: Any = np.float32) -> Any:
+def check_loss_scale(
+  loss_scale: Any, *, what: str = "loss_scale", dtype: Any = np.float32
+) -> Any:
   """Converts a loss scale to its stored dtype, raising if a concrete one is
   not a finite positive normal number there (a traced invalid one becomes
   NaN: see ``weighted_accum._inputs.loss_scale``)."""
   from weighted_accum import _inputs  # pylint: disable=g-import-not-at-top
+
   return _inputs.loss_scale(loss_scale, what=what, dtype=dtype)
 
 
-def check_weight(weight: Any, *, what: str = "weight",
-                 tally: Any = np.float32) -> Any:
+def check_weight(
+  weight: Any, *, what: str = "weight", tally: Any = np.float32
+) -> Any:
   """Converts a weight to the tally dtype (an ``_inputs.Weight``), raising
   for a non-scalar or non-real weight and for a concrete one the tally cannot
   hold (see ``weighted_accum._inputs.weight``)."""
   from weighted_accum import _inputs  # pylint: disable=g-import-not-at-top
+
   return _inputs.weight(weight, what=what, tally=tally)

@@ -28,8 +28,10 @@ __all__ = ["DynamicLossScale", "set_loss_scale"]
 
 _F32 = np.finfo(np.float32)
 _INT32_LIMIT = 2**31
-_SCALE_HINT = ("A loss scale is a finite positive float32 number, e.g. 2.0**16 "
-               "(GradScaler's default) for float16 training.")
+_SCALE_HINT = (
+  "A loss scale is a finite positive float32 number, e.g. 2.0**16 "
+  "(GradScaler's default) for float16 training."
+)
 
 
 def _host_number(value: Any, name: str, *, integer: bool = False) -> Any:
@@ -40,17 +42,22 @@ def _host_number(value: Any, name: str, *, integer: bool = False) -> Any:
   """
   if isinstance(value, jax.ShapeDtypeStruct) or np.ndim(value) != 0:
     raise WeightedAccumulationError(
-        f"DynamicLossScale: {name} must be a scalar, got "
-        f"{type(value).__name__} of shape {np.shape(value)}.")
+      f"DynamicLossScale: {name} must be a scalar, got "
+      f"{type(value).__name__} of shape {np.shape(value)}."
+    )
   dt = _dtype(value)
   kind = jnp.integer if integer else jnp.number
-  if (dt is None or isinstance(value, bool) or jnp.issubdtype(dt, jnp.bool_)
-      or not jnp.issubdtype(dt, kind)
-      or jnp.issubdtype(dt, jnp.complexfloating)):
+  if (
+    dt is None
+    or isinstance(value, bool)
+    or jnp.issubdtype(dt, jnp.bool_)
+    or not jnp.issubdtype(dt, kind)
+    or jnp.issubdtype(dt, jnp.complexfloating)
+  ):
     want = "an int" if integer else "a real number"
     raise WeightedAccumulationError(
-        f"DynamicLossScale: {name} must be {want}, got {value!r} (dtype "
-        f"{dt}).")
+      f"DynamicLossScale: {name} must be {want}, got {value!r} (dtype {dt})."
+    )
   if errors.is_traced(value):
     return None
   item = np.asarray(value).item()
@@ -74,24 +81,26 @@ def _float32_value(value: float, name: str, hint: str) -> float:
     rounded = float(np.float32(value)) if math.isfinite(value) else value
   if not (math.isfinite(rounded) and rounded >= float(_F32.tiny)):
     raise WeightedAccumulationError(
-        f"DynamicLossScale: {name} is {value!r}, which is not a finite "
-        f"positive float32 number (range [{float(_F32.tiny):.3g}, "
-        f"{float(_F32.max):.3g}]). {hint}")
+      f"DynamicLossScale: {name} is {value!r}, which is not a finite "
+      f"positive float32 number (range [{float(_F32.tiny):.3g}, "
+      f"{float(_F32.max):.3g}]). {hint}"
+    )
   return rounded
 
 
-def _factor(value: Any, name: str, low: float, high: float,
-            rule: str) -> float:
+def _factor(value: Any, name: str, low: float, high: float, rule: str) -> float:
   v = _host_number(value, name)
   if v is None:
     raise WeightedAccumulationError(
-        f"DynamicLossScale: {name} is a traced value; the factors are static "
-        "configuration. Pass a Python number.")
+      f"DynamicLossScale: {name} is a traced value; the factors are static "
+      "configuration. Pass a Python number."
+    )
   v32 = _float32_value(v, name, f"{name} must be {rule}.")
   if not low < v32 < high:
     raise WeightedAccumulationError(
-        f"DynamicLossScale: {name} is {v!r} (as float32: {v32!r}); it must be "
-        f"{rule} (as in PyTorch's GradScaler).")
+      f"DynamicLossScale: {name} is {v!r} (as float32: {v32!r}); it must be "
+      f"{rule} (as in PyTorch's GradScaler)."
+    )
   return v32
 
 
@@ -99,27 +108,31 @@ def _interval(value: Any) -> int:
   v = _host_number(value, "growth_interval", integer=True)
   if v is None:
     raise WeightedAccumulationError(
-        "DynamicLossScale: growth_interval is a traced value; it is static "
-        "configuration. Pass a Python int.")
+      "DynamicLossScale: growth_interval is a traced value; it is static "
+      "configuration. Pass a Python int."
+    )
   if not 1 <= v < _INT32_LIMIT:
     raise WeightedAccumulationError(
-        f"DynamicLossScale: growth_interval is {v!r}; it must be a positive "
-        "int below 2**31 (the number of consecutive finite windows before "
-        "the scale grows, e.g. 2000).")
+      f"DynamicLossScale: growth_interval is {v!r}; it must be a positive "
+      "int below 2**31 (the number of consecutive finite windows before "
+      "the scale grows, e.g. 2000)."
+    )
   return v
 
 
-def _check_scale(value: Any, min_scale: float, name: str = "scale"
-                 ) -> jax.Array:
+def _check_scale(
+  value: Any, min_scale: float, name: str = "scale"
+) -> jax.Array:
   """The scale as a float32 array; validated when concrete."""
   v = _host_number(value, name)
   if v is not None:
     v32 = _float32_value(v, name, _SCALE_HINT)
     if v32 < min_scale:
       raise WeightedAccumulationError(
-          f"DynamicLossScale: {name} is {v!r}, below min_scale={min_scale!r}"
-          "; the scale never backs off below min_scale. Pass a scale >= "
-          "min_scale, or a smaller min_scale.")
+        f"DynamicLossScale: {name} is {v!r}, below min_scale={min_scale!r}"
+        "; the scale never backs off below min_scale. Pass a scale >= "
+        "min_scale, or a smaller min_scale."
+      )
   return jnp.asarray(value, jnp.float32)
 
 
@@ -127,9 +140,10 @@ def _check_tracker(value: Any, interval: int) -> jax.Array:
   v = _host_number(value, "growth_tracker", integer=True)
   if v is not None and not 0 <= v < interval:
     raise WeightedAccumulationError(
-        f"DynamicLossScale: growth_tracker is {v!r}; it counts the "
-        f"consecutive finite windows since the last change, so it lies in "
-        f"[0, growth_interval={interval}). Pass 0 to start counting afresh.")
+      f"DynamicLossScale: growth_tracker is {v!r}; it counts the "
+      f"consecutive finite windows since the last change, so it lies in "
+      f"[0, growth_interval={interval}). Pass 0 to start counting afresh."
+    )
   return jnp.asarray(value, jnp.int32)
 
 
@@ -177,10 +191,16 @@ class DynamicLossScale:
   growth_interval: int
   min_scale: float
 
-  def __init__(self, scale: ArrayLike, *, growth_factor: float = 2.0,
-               backoff_factor: float = 0.5, growth_interval: int = 2000,
-               min_scale: float = 1.0,
-               growth_tracker: ArrayLike = 0):
+  def __init__(
+    self,
+    scale: ArrayLike,
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float = 1.0,
+    growth_tracker: ArrayLike = 0,
+  ):
     """Creates a scaler, validating every argument.
 
     Args:
@@ -201,19 +221,27 @@ class DynamicLossScale:
     Raises:
       WeightedAccumulationError: naming the first invalid argument.
     """
-    gf = _factor(growth_factor, "growth_factor", 1.0, math.inf,
-                 "a number > 1")
-    bf = _factor(backoff_factor, "backoff_factor", 0.0, 1.0,
-                 "a number in (0, 1)")
+    gf = _factor(growth_factor, "growth_factor", 1.0, math.inf, "a number > 1")
+    bf = _factor(
+      backoff_factor, "backoff_factor", 0.0, 1.0, "a number in (0, 1)"
+    )
     interval = _interval(growth_interval)
     ms = _host_number(min_scale, "min_scale")
     if ms is None:
       raise WeightedAccumulationError(
-          "DynamicLossScale: min_scale is a traced value; it is static "
-          "configuration. Pass a Python number.")
+        "DynamicLossScale: min_scale is a traced value; it is static "
+        "configuration. Pass a Python number."
+      )
     ms = _float32_value(ms, "min_scale", "Pass e.g. 1.0.")
-    _set_fields(self, _check_scale(scale, ms),
-                _check_tracker(growth_tracker, interval), gf, bf, interval, ms)
+    _set_fields(
+      self,
+      _check_scale(scale, ms),
+      _check_tracker(growth_tracker, interval),
+      gf,
+      bf,
+      interval,
+      ms,
+    )
 
   def replace(self, **changes: Any) -> DynamicLossScale:
     """A copy with some fields changed, validated like the constructor.
@@ -257,21 +285,33 @@ class DynamicLossScale:
       (2.0, 2.0)
     """
     dt = _dtype(finite)
-    if dt is None or np.ndim(finite) != 0 or not jnp.issubdtype(dt,
-                                                               jnp.bool_):
+    if dt is None or np.ndim(finite) != 0 or not jnp.issubdtype(dt, jnp.bool_):
       raise WeightedAccumulationError(
-          f"DynamicLossScale.adjust: finite must be a bool scalar, got "
-          f"{type(finite).__name__} of dtype {dt} and shape "
-          f"{np.shape(finite)}. Pass the window's flag, e.g. out.finite from "
-          "finish_mean.")
+        f"DynamicLossScale.adjust: finite must be a bool scalar, got "
+        f"{type(finite).__name__} of dtype {dt} and shape "
+        f"{np.shape(finite)}. Pass the window's flag, e.g. out.finite from "
+        "finish_mean."
+      )
     return _adjust(self, jnp.asarray(finite))
 
 
-def _set_fields(obj: DynamicLossScale, scale: Any, tracker: Any, gf: float,
-                bf: float, interval: int, ms: float) -> DynamicLossScale:
-  for name, value in (("scale", scale), ("growth_tracker", tracker),
-                      ("growth_factor", gf), ("backoff_factor", bf),
-                      ("growth_interval", interval), ("min_scale", ms)):
+def _set_fields(
+  obj: DynamicLossScale,
+  scale: Any,
+  tracker: Any,
+  gf: float,
+  bf: float,
+  interval: int,
+  ms: float,
+) -> DynamicLossScale:
+  for name, value in (
+    ("scale", scale),
+    ("growth_tracker", tracker),
+    ("growth_factor", gf),
+    ("backoff_factor", bf),
+    ("growth_interval", interval),
+    ("min_scale", ms),
+  ):
     object.__setattr__(obj, name, value)
   return obj
 
@@ -281,30 +321,47 @@ def _adjust(s: DynamicLossScale, finite: jax.Array) -> DynamicLossScale:
   # The factors are float32 numbers (rounded at construction), so each
   # float32 product below is GradScaler's double product rounded to float32.
   grown = s.scale * jnp.float32(s.growth_factor)
-  backed_off = jnp.maximum(s.scale * jnp.float32(s.backoff_factor),
-                           jnp.float32(s.min_scale))
+  backed_off = jnp.maximum(
+    s.scale * jnp.float32(s.backoff_factor), jnp.float32(s.min_scale)
+  )
   counted = s.growth_tracker + 1
   # >= rather than ==: also safe for a tracker built under jit out of range.
   grow = counted >= s.growth_interval
-  scale = jnp.where(finite,
-                    jnp.where(grow & jnp.isfinite(grown), grown, s.scale),
-                    backed_off)
+  scale = jnp.where(
+    finite, jnp.where(grow & jnp.isfinite(grown), grown, s.scale), backed_off
+  )
   tracker = jnp.where(finite & ~grow, counted, jnp.int32(0))
-  return _set_fields(object.__new__(DynamicLossScale), scale, tracker,
-                     s.growth_factor, s.backoff_factor, s.growth_interval,
-                     s.min_scale)
+  return _set_fields(
+    object.__new__(DynamicLossScale),
+    scale,
+    tracker,
+    s.growth_factor,
+    s.backoff_factor,
+    s.growth_interval,
+    s.min_scale,
+  )
 
 
 def _flatten_with_keys(s: DynamicLossScale):
-  children = ((jax.tree_util.GetAttrKey("scale"), s.scale),
-              (jax.tree_util.GetAttrKey("growth_tracker"), s.growth_tracker))
-  return children, (s.growth_factor, s.backoff_factor, s.growth_interval,
-                    s.min_scale)
+  children = (
+    (jax.tree_util.GetAttrKey("scale"), s.scale),
+    (jax.tree_util.GetAttrKey("growth_tracker"), s.growth_tracker),
+  )
+  return children, (
+    s.growth_factor,
+    s.backoff_factor,
+    s.growth_interval,
+    s.min_scale,
+  )
 
 
 def _flatten(s: DynamicLossScale):
-  return (s.scale, s.growth_tracker), (s.growth_factor, s.backoff_factor,
-                                       s.growth_interval, s.min_scale)
+  return (s.scale, s.growth_tracker), (
+    s.growth_factor,
+    s.backoff_factor,
+    s.growth_interval,
+    s.min_scale,
+  )
 
 
 def _unflatten(aux: tuple, children: Any) -> DynamicLossScale:
@@ -313,8 +370,9 @@ def _unflatten(aux: tuple, children: Any) -> DynamicLossScale:
   return _set_fields(object.__new__(DynamicLossScale), *children, *aux)
 
 
-jax.tree_util.register_pytree_with_keys(DynamicLossScale, _flatten_with_keys,
-                                        _unflatten, _flatten)
+jax.tree_util.register_pytree_with_keys(
+  DynamicLossScale, _flatten_with_keys, _unflatten, _flatten
+)
 
 
 def check_restored(tree: Any, *, what: str) -> None:
@@ -351,15 +409,19 @@ def check_restored(tree: Any, *, what: str) -> None:
       node.replace()
     except WeightedAccumulationError as e:
       raise WeightedAccumulationError(
-          f"{what}: DynamicLossScale at {_tree.path_str(path)}: {e} The "
-          "checkpoint is corrupt, or was saved by a scaler configured "
-          "differently from the template's (restore with the saving run's "
-          "configuration).") from e
+        f"{what}: DynamicLossScale at {_tree.path_str(path)}: {e} The "
+        "checkpoint is corrupt, or was saved by a scaler configured "
+        "differently from the template's (restore with the saving run's "
+        "configuration)."
+      ) from e
 
 
-def set_loss_scale(state: AccumState,
-                   loss_scale: ArrayLike | DynamicLossScale, *,
-                   checked: bool = False) -> AccumState:
+def set_loss_scale(
+  state: AccumState,
+  loss_scale: ArrayLike | DynamicLossScale,
+  *,
+  checked: bool = False,
+) -> AccumState:
   """Sets the loss scale of a window to which nothing was added yet.
 
   The scale is constant within a window, so only a window of total weight
@@ -397,21 +459,24 @@ def set_loss_scale(state: AccumState,
   """
   if not isinstance(state, AccumState):
     raise WeightedAccumulationError(
-        f"set_loss_scale: state must be an AccumState, got "
-        f"{type(state).__name__}. Pass the window from wa.init or a finish.")
+      f"set_loss_scale: state must be an AccumState, got "
+      f"{type(state).__name__}. Pass the window from wa.init or a finish."
+    )
   if isinstance(loss_scale, DynamicLossScale):
     loss_scale = loss_scale.scale
   errors.check_loss_scale(loss_scale, what="set_loss_scale(loss_scale)")
-  if not (errors.is_traced(state.weight_hi)
-          or errors.is_traced(state.weight_lo)):
+  if not (
+    errors.is_traced(state.weight_hi) or errors.is_traced(state.weight_lo)
+  ):
     total = state.total_weight
     if total != 0:
       raise WeightedAccumulationError(
-          f"set_loss_scale: the open window already holds total weight "
-          f"{total!r} from {int(state.issued)} microbatch(es) accumulated at "
-          f"loss scale {float(state.loss_scale)!r}; the scale is constant "
-          "within a window. Finish the window first, or set the next "
-          "window's scale with finish_mean/finish_sums(next_loss_scale=...).")
+        f"set_loss_scale: the open window already holds total weight "
+        f"{total!r} from {int(state.issued)} microbatch(es) accumulated at "
+        f"loss scale {float(state.loss_scale)!r}; the scale is constant "
+        "within a window. Finish the window first, or set the next "
+        "window's scale with finish_mean/finish_sums(next_loss_scale=...)."
+      )
   return _set_scale(state, jnp.asarray(loss_scale, jnp.float32), checked)
 
 
@@ -419,10 +484,16 @@ def _set_scale(state: AccumState, ls: jax.Array, checked: bool) -> AccumState:
   empty = (state.weight_hi == 0) & (state.weight_lo == 0)
   ok = jnp.isfinite(ls) & (ls > 0)
   if checked and (errors.is_traced(ls) or errors.is_traced(state.weight_hi)):
-    checkify.check(ok, "set_loss_scale: loss scale {s} is not finite and "
-                   "positive; the window kept its scale.", s=ls)
-    checkify.check(empty, "set_loss_scale: the open window already holds "
-                   "weight; the scale is constant within a window, so it "
-                   "kept its scale.")
-  return state.replace(
-      loss_scale=jnp.where(empty & ok, ls, state.loss_scale))
+    checkify.check(
+      ok,
+      "set_loss_scale: loss scale {s} is not finite and "
+      "positive; the window kept its scale.",
+      s=ls,
+    )
+    checkify.check(
+      empty,
+      "set_loss_scale: the open window already holds "
+      "weight; the scale is constant within a window, so it "
+      "kept its scale.",
+    )
+  return state.replace(loss_scale=jnp.where(empty & ok, ls, state.loss_scale))

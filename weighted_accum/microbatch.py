@@ -36,43 +36,58 @@ _F32 = jnp.float32
 
 # ------------------------------------------------------------ validation --
 
+
 def _nums(value: Any, name: str) -> tuple[int, ...]:
   nums = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
-  if not nums or not all(isinstance(n, (int, np.integer)) and not
-                         isinstance(n, bool) and n >= 0 for n in nums):
+  if not nums or not all(
+    isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+    for n in nums
+  ):
     raise WeightedAccumulationError(
-        f"microbatched_value_and_grad({name}={value!r}): expected a "
-        "non-negative int or a non-empty tuple of them (positional argument "
-        "indices of loss_fn).")
+      f"microbatched_value_and_grad({name}={value!r}): expected a "
+      "non-negative int or a non-empty tuple of them (positional argument "
+      "indices of loss_fn)."
+    )
   if len(set(nums)) != len(nums):
     raise WeightedAccumulationError(
-        f"microbatched_value_and_grad({name}={value!r}): repeated index.")
+      f"microbatched_value_and_grad({name}={value!r}): repeated index."
+    )
   return tuple(int(n) for n in nums)
 
 
-def _check_config(num_microbatches: Any, mode: Any, argnums: Any,
-                  batch_argnums: Any, dtype: Any, loss_scale: Any):
+def _check_config(
+  num_microbatches: Any,
+  mode: Any,
+  argnums: Any,
+  batch_argnums: Any,
+  dtype: Any,
+  loss_scale: Any,
+):
   what = "microbatched_value_and_grad"
-  if (isinstance(num_microbatches, bool) or
-      not isinstance(num_microbatches, (int, np.integer)) or
-      num_microbatches < 1):
+  if (
+    isinstance(num_microbatches, bool)
+    or not isinstance(num_microbatches, (int, np.integer))
+    or num_microbatches < 1
+  ):
     raise WeightedAccumulationError(
-        f"{what}(num_microbatches={num_microbatches!r}): expected a positive "
-        "Python int (the loop length is static; pass num_real_microbatches "
-        "to run fewer without recompiling).")
+      f"{what}(num_microbatches={num_microbatches!r}): expected a positive "
+      "Python int (the loop length is static; pass num_real_microbatches "
+      "to run fewer without recompiling)."
+    )
   if mode not in MODES:
     raise WeightedAccumulationError(
-        f"{what}(mode={mode!r}): expected one of {MODES}: 'sum' when loss_fn "
-        "returns the microbatch's loss SUM, 'mean' when it returns the SUM "
-        "divided by the weight.")
-  diff, batch = _nums(argnums, "argnums"), _nums(batch_argnums,
-                                                 "batch_argnums")
+      f"{what}(mode={mode!r}): expected one of {MODES}: 'sum' when loss_fn "
+      "returns the microbatch's loss SUM, 'mean' when it returns the SUM "
+      "divided by the weight."
+    )
+  diff, batch = _nums(argnums, "argnums"), _nums(batch_argnums, "batch_argnums")
   both = sorted(set(diff) & set(batch))
   if both:
     raise WeightedAccumulationError(
-        f"{what}: argument {both[0]} is in both argnums and batch_argnums; "
-        "the differentiated params and the split batch must be different "
-        "arguments.")
+      f"{what}: argument {both[0]} is in both argnums and batch_argnums; "
+      "the differentiated params and the split batch must be different "
+      "arguments."
+    )
   dt = errors.check_floating_dtype(dtype, what=f"{what}(dtype=...)")
   _scale_of(loss_scale, f"{what}(loss_scale=...)")
   return int(num_microbatches), diff, batch, dt
@@ -93,27 +108,31 @@ def _split(args: tuple, batch_nums: tuple[int, ...], k: int) -> dict:
   what = "microbatched_value_and_grad"
   if max(batch_nums) >= len(args):
     raise WeightedAccumulationError(
-        f"{what}: batch_argnums {batch_nums} but the function was called "
-        f"with {len(args)} positional argument(s).")
+      f"{what}: batch_argnums {batch_nums} but the function was called "
+      f"with {len(args)} positional argument(s)."
+    )
   sizes, out = [], {}
   for n in batch_nums:
     for path, x in zip(_tree.leaf_paths(args[n]), jax.tree.leaves(args[n])):
       if np.ndim(x) == 0:
         raise WeightedAccumulationError(
-            f"{what}: batch argument {n} leaf {path} is a scalar; every batch "
-            "leaf needs a leading batch axis (pass it as another argument).")
+          f"{what}: batch argument {n} leaf {path} is a scalar; every batch "
+          "leaf needs a leading batch axis (pass it as another argument)."
+        )
       sizes.append((np.shape(x)[0], n, path))
   b = sizes[0][0] if sizes else 0
   for size, n, path in sizes:
     if size != b or size % k:
       raise WeightedAccumulationError(
-          f"{what}: batch argument {n} leaf {path} has {size} rows; every "
-          f"batch leaf needs the same leading size, divisible by "
-          f"num_microbatches={k} (first leaf: {b} rows). Pad the batch (with "
-          "zero weight) to a multiple of num_microbatches.")
+        f"{what}: batch argument {n} leaf {path} has {size} rows; every "
+        f"batch leaf needs the same leading size, divisible by "
+        f"num_microbatches={k} (first leaf: {b} rows). Pad the batch (with "
+        "zero weight) to a multiple of num_microbatches."
+      )
   for n in batch_nums:
     out[n] = jax.tree.map(
-        lambda x: jnp.reshape(x, (x.shape[0] // k, k) + x.shape[1:]), args[n])
+      lambda x: jnp.reshape(x, (x.shape[0] // k, k) + x.shape[1:]), args[n]
+    )
   return out
 
 
@@ -125,17 +144,20 @@ def _real_count(n: Any, k: int) -> Any:
     v = np.asarray(n)
     if v.ndim or not np.issubdtype(v.dtype, np.integer) or not 0 <= v <= k:
       raise WeightedAccumulationError(
-          f"microbatched_value_and_grad: num_real_microbatches={n!r} must be "
-          f"an integer scalar in [0, {k}] (num_microbatches).")
+        f"microbatched_value_and_grad: num_real_microbatches={n!r} must be "
+        f"an integer scalar in [0, {k}] (num_microbatches)."
+      )
   elif not jnp.issubdtype(jnp.result_type(n), jnp.integer) or jnp.ndim(n):
     raise WeightedAccumulationError(
-        "microbatched_value_and_grad: num_real_microbatches must be an "
-        f"integer scalar, got {jax.typeof(n)}.")
+      "microbatched_value_and_grad: num_real_microbatches must be an "
+      f"integer scalar, got {jax.typeof(n)}."
+    )
   # A traced value out of range is clipped (it cannot raise under jit).
   return jnp.clip(jnp.asarray(n, jnp.int32), 0, k)
 
 
 # --------------------------------------------------------------- the loop --
+
 
 def _one_microbatch(loss_fn: Callable, has_aux: bool, mode: str):
   """``loss_fn`` as a differentiable function of the args and the scale:
@@ -147,16 +169,20 @@ def _one_microbatch(loss_fn: Callable, has_aux: bool, mode: str):
     loss = jnp.asarray(loss)
     if loss.ndim or not jnp.issubdtype(loss.dtype, jnp.floating):
       raise WeightedAccumulationError(
-          f"microbatched_value_and_grad(loss_fn): the loss is "
-          f"{jax.typeof(loss)}, expected a floating scalar (the microbatch's "
-          f"loss {mode.upper()}).")
+        f"microbatched_value_and_grad(loss_fn): the loss is "
+        f"{jax.typeof(loss)}, expected a floating scalar (the microbatch's "
+        f"loss {mode.upper()})."
+      )
     if jnp.ndim(weight):
       raise WeightedAccumulationError(
-          "microbatched_value_and_grad(loss_fn): the weight has shape "
-          f"{jnp.shape(weight)}, expected a scalar (the microbatch's item "
-          "count, e.g. mask.sum()).")
-    return (loss.astype(_F32) * scale.astype(_F32),
-            (loss, jnp.asarray(weight, _F32), aux))
+        "microbatched_value_and_grad(loss_fn): the weight has shape "
+        f"{jnp.shape(weight)}, expected a scalar (the microbatch's item "
+        "count, e.g. mask.sum())."
+      )
+    return (
+      loss.astype(_F32) * scale.astype(_F32),
+      (loss, jnp.asarray(weight, _F32), aux),
+    )
 
   return scaled
 
@@ -165,28 +191,32 @@ def _take(args: tuple, split: dict, i: Any) -> list:
   out = list(args)
   for n, tree in split.items():
     out[n] = jax.tree.map(
-        lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False), tree)
+      lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False), tree
+    )
   return out
 
 
-def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
-          n_real: Any):
+def _loop(cfg: dict, state: AccumState, args: tuple, split: dict, n_real: Any):
   """Runs the microbatches into ``state``. Returns ``(state, loss_sum,
   weight_sum, aux_stack)``: this call's loss sum and (with
   ``cfg["track_weight"]``, else None) weight; the state counts rejections."""
   k, diff, axes = cfg["k"], cfg["argnums"], cfg["axes"]
   scaled = _one_microbatch(cfg["loss_fn"], cfg["has_aux"], cfg["mode"])
   nums = tuple(n + 1 for n in diff)  # argument 0 of `scaled` is the scale
-  vg = (jax.value_and_grad(scaled, argnums=nums, has_aux=True) if axes is None
-        else dist.local_value_and_grad(scaled, axes, argnums=nums,
-                                       has_aux=True))
+  vg = (
+    jax.value_and_grad(scaled, argnums=nums, has_aux=True)
+    if axes is None
+    else dist.local_value_and_grad(scaled, axes, argnums=nums, has_aux=True)
+  )
   single = isinstance(cfg["argnums_in"], (int, np.integer))
   acc = core.accumulate_mean if cfg["mode"] == "mean" else core.accumulate_sum
   scale = state.loss_scale
-  aux_shape = jax.eval_shape(lambda *a: scaled(scale, *a)[1][2],
-                             *_take(args, split, 0))
-  aux_buf = jax.tree.map(lambda s: jnp.zeros((k,) + s.shape, s.dtype),
-                         aux_shape)
+  aux_shape = jax.eval_shape(
+    lambda *a: scaled(scale, *a)[1][2], *_take(args, split, 0)
+  )
+  aux_buf = jax.tree.map(
+    lambda s: jnp.zeros((k,) + s.shape, s.dtype), aux_shape
+  )
   zero = jnp.zeros((), _F32)
   sums = (zero, zero) if cfg.get("track_weight") else (zero,)
   if axes is not None:  # per-replica carry leaves (a loop carry keeps types)
@@ -199,7 +229,7 @@ def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
     st = acc(st, grads[0] if single else grads, w)
     take = jnp.isfinite(w) & (w > 0)
     part = loss.astype(_F32) * w if cfg["mode"] == "mean" else loss
-    new = (part.astype(_F32), w)[:len(sums)]
+    new = (part.astype(_F32), w)[: len(sums)]
     sums = tuple(x + jnp.where(take, y, 0.0) for x, y in zip(sums, new))
     aux_buf = jax.tree.map(lambda b, a: b.at[i].set(a), aux_buf, aux)
     return st, sums, aux_buf
@@ -209,49 +239,71 @@ def _loop(cfg: dict, state: AccumState, args: tuple, split: dict,
   return st, sums[0], (sums[1] if len(sums) > 1 else None), aux
 
 
-def _conclude(st: AccumState, loss_sum: jax.Array, rejected: jax.Array,
-              axes: tuple[str, ...] | None):
+def _conclude(
+  st: AccumState,
+  loss_sum: jax.Array,
+  rejected: jax.Array,
+  axes: tuple[str, ...] | None,
+):
   """The exact mean loss and gradient; across ``axes`` one reduction of the
   gradient sums, the weights, the loss sum and the rejection count."""
   ok = jnp.isfinite(loss_sum) & (rejected == 0)
   if axes is None:
     out, _ = core.finish_mean(st)
     loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
-    return loss, out.replace(finite=out.finite & jnp.isfinite(loss_sum),
-                             valid=out.valid & ok)
+    return loss, out.replace(
+      finite=out.finite & jnp.isfinite(loss_sum), valid=out.valid & ok
+    )
   # The loss sum and the rejection count ride in the window's one psum.
   scalars = {k: getattr(st, k) for k in _counters.named(_counters.SUMMED)}
   scalars.update(loss_sum=loss_sum, bad=jnp.where(ok, 0.0, 1.0))
-  sums, sc = _finish.psum_window(st.grads, scalars, axes,
-                                 vma_on=_tree.vma_checked(axes))
+  sums, sc = _finish.psum_window(
+    st.grads, scalars, axes, vma_on=_tree.vma_checked(axes)
+  )
   weight = sc["weight_hi"] + sc["weight_lo"]
-  out = _finish.result(sums, weight, st.loss_scale, sc["issued"], mean=True,
-                       require_weight=True)
+  out = _finish.result(
+    sums, weight, st.loss_scale, sc["issued"], mean=True, require_weight=True
+  )
   loss = jnp.where(weight > 0, sc["loss_sum"] / weight, 0.0)
-  return loss, out.replace(finite=out.finite & jnp.isfinite(sc["loss_sum"]),
-                           valid=out.valid & (sc["bad"] == 0))
+  return loss, out.replace(
+    finite=out.finite & jnp.isfinite(sc["loss_sum"]),
+    valid=out.valid & (sc["bad"] == 0),
+  )
 
 
 def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
   if not isinstance(state, AccumState):
     raise WeightedAccumulationError(
-        "microbatched_value_and_grad(...).accumulate(state): expected an "
-        f"AccumState (from wa.init), got {type(state).__name__}.")
+      "microbatched_value_and_grad(...).accumulate(state): expected an "
+      f"AccumState (from wa.init), got {type(state).__name__}."
+    )
   if axes is None:
     return state
-  per_replica = (("grads",) + _counters.named(_counters.SUMMED) +
-                 _counters.named(_counters.LOCAL))
-  return state.replace(**{
+  per_replica = (
+    ("grads",)
+    + _counters.named(_counters.SUMMED)
+    + _counters.named(_counters.LOCAL)
+  )
+  return state.replace(
+    **{
       f: dist._to_varying(getattr(state, f), axes)  # pylint: disable=protected-access
-      for f in per_replica})
+      for f in per_replica
+    }
+  )
 
 
 def microbatched_value_and_grad(
-    loss_fn: Callable[..., Any], num_microbatches: int, *, mode: str = "sum",
-    has_aux: bool = False, argnums: int | Sequence[int] = 0,
-    batch_argnums: int | Sequence[int] = 1, dtype: Any = jnp.float32,
-    loss_scale: float | jax.Array = 1.0,
-    axis_name: str | Sequence[str] | None = None) -> Callable[..., Any]:
+  loss_fn: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  mode: str = "sum",
+  has_aux: bool = False,
+  argnums: int | Sequence[int] = 0,
+  batch_argnums: int | Sequence[int] = 1,
+  dtype: Any = jnp.float32,
+  loss_scale: float | jax.Array = 1.0,
+  axis_name: str | Sequence[str] | None = None,
+) -> Callable[..., Any]:
   """``jax.value_and_grad`` over K microbatches in one loop, exact.
 
   The batch arguments are split into ``num_microbatches`` microbatches,
@@ -325,39 +377,53 @@ def microbatched_value_and_grad(
     >>> float(loss), float(out.grads), float(full), float(out.weight)
     (5.25, 10.5, 10.5, 4.0)
   """
-  k, diff, batch, dt = _check_config(num_microbatches, mode, argnums,
-                                     batch_argnums, dtype, loss_scale)
+  k, diff, batch, dt = _check_config(
+    num_microbatches, mode, argnums, batch_argnums, dtype, loss_scale
+  )
   single = isinstance(argnums, (int, np.integer))
   what = "microbatched_value_and_grad"
   default_scale = _scale_of(loss_scale, f"{what}(loss_scale=...)")
-  cfg = dict(k=k, argnums=diff, argnums_in=argnums, loss_fn=loss_fn,
-             has_aux=has_aux, mode=mode)
+  cfg = dict(
+    k=k,
+    argnums=diff,
+    argnums_in=argnums,
+    loss_fn=loss_fn,
+    has_aux=has_aux,
+    mode=mode,
+  )
 
   def prepare(args, n_real):
     axes = None if axis_name is None else dist._axes(axis_name, what)  # pylint: disable=protected-access
     if max(diff) >= len(args):
       raise WeightedAccumulationError(
-          f"{what}: argnums {diff} but the function was called with "
-          f"{len(args)} positional argument(s).")
+        f"{what}: argnums {diff} but the function was called with "
+        f"{len(args)} positional argument(s)."
+      )
     params = args[diff[0]] if single else tuple(args[i] for i in diff)
     return axes, params, _split(args, batch, k), _real_count(n_real, k)
 
   def f(*args, num_real_microbatches=None, loss_scale=None):
     axes, params, split, n_real = prepare(args, num_real_microbatches)
-    ls = default_scale if loss_scale is None else _scale_of(
-        loss_scale, f"{what}(...)(loss_scale=...)")
-    st = (state_lib.init(params, dt, ls) if axes is None
-          else dist.init(params, axes, dt, ls))
-    st, loss_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split,
-                                 n_real)
+    ls = (
+      default_scale
+      if loss_scale is None
+      else _scale_of(loss_scale, f"{what}(...)(loss_scale=...)")
+    )
+    st = (
+      state_lib.init(params, dt, ls)
+      if axes is None
+      else dist.init(params, axes, dt, ls)
+    )
+    st, loss_sum, _, aux = _loop(dict(cfg, axes=axes), st, args, split, n_real)
     loss, out = _conclude(st, loss_sum, st.rejected, axes)
     return ((loss, aux), out) if has_aux else (loss, out)
 
   def accumulate(state, *args, num_real_microbatches=None):
     axes, _, split, n_real = prepare(args, num_real_microbatches)
     st = _to_window(state, axes)
-    st, loss_sum, w_sum, aux = _loop(dict(cfg, axes=axes, track_weight=True),
-                                     st, args, split, n_real)
+    st, loss_sum, w_sum, aux = _loop(
+      dict(cfg, axes=axes, track_weight=True), st, args, split, n_real
+    )
     value = (loss_sum, w_sum)
     return ((value, aux) if has_aux else value), st
 
@@ -367,14 +433,15 @@ def microbatched_value_and_grad(
 
 # ------------------------------------------------- optax.microbatching --
 
+
 def _unpack_value(value: Any) -> tuple[Any, Any, Any]:
   try:
     (loss, weight), grads = value
   except (TypeError, ValueError):
     raise WeightedAccumulationError(
-        "optax_accumulator: each microbatch's value must be ((loss, weight), "
-        "grads), as returned by jax.value_and_grad(loss_fn, has_aux=True) "
-        f"with loss_fn returning (loss, weight); got {type(value).__name__}."
+      "optax_accumulator: each microbatch's value must be ((loss, weight), "
+      "grads), as returned by jax.value_and_grad(loss_fn, has_aux=True) "
+      f"with loss_fn returning (loss, weight); got {type(value).__name__}."
     ) from None
   return loss, weight, grads
 
@@ -385,8 +452,10 @@ def _aggregate(values: Any, mean: bool) -> Any:
   loss, weight, grads = _unpack_value(values)
   w = jnp.asarray(weight, _F32)
   if not mean:
-    return ((jnp.sum(loss, 0), jnp.sum(w, 0)),
-            jax.tree.map(lambda g: jnp.sum(g, 0), grads))
+    return (
+      (jnp.sum(loss, 0), jnp.sum(w, 0)),
+      jax.tree.map(lambda g: jnp.sum(g, 0), grads),
+    )
   take = w > 0
   total = jnp.sum(jnp.where(take, w, 0.0))
   inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
@@ -446,11 +515,13 @@ def optax_accumulator(mode: str = "sum", dtype: Any = jnp.float32) -> Any:
     from optax import microbatching  # pylint: disable=g-import-not-at-top
   except ImportError as e:  # optax < 0.2.7
     raise WeightedAccumulationError(
-        "optax_accumulator needs optax.microbatching (optax >= 0.2.7); "
-        "upgrade optax or use microbatched_value_and_grad.") from e
+      "optax_accumulator needs optax.microbatching (optax >= 0.2.7); "
+      "upgrade optax or use microbatched_value_and_grad."
+    ) from e
   if mode not in MODES:
     raise WeightedAccumulationError(
-        f"optax_accumulator(mode={mode!r}): expected one of {MODES}.")
+      f"optax_accumulator(mode={mode!r}): expected one of {MODES}."
+    )
   dt = errors.check_floating_dtype(dtype, what="optax_accumulator(dtype=...)")
   mean = mode == "mean"
   acc = core.accumulate_mean if mean else core.accumulate_sum
@@ -475,5 +546,8 @@ def optax_accumulator(mode: str = "sum", dtype: Any = jnp.float32) -> Any:
     return (loss, out.weight), out.grads
 
   return microbatching.Accumulator(
-      init=init, update=update, finalize=finalize,
-      aggregate=lambda values: _aggregate(values, mean))
+    init=init,
+    update=update,
+    finalize=finalize,
+    aggregate=lambda values: _aggregate(values, mean),
+  )

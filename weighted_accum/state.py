@@ -20,9 +20,9 @@ import numpy as np
 from weighted_accum import _counters
 from weighted_accum import _inputs
 from weighted_accum import _placement
+from weighted_accum import _tally
 from weighted_accum import _tree
 from weighted_accum import errors
-from weighted_accum import _tally
 from weighted_accum.errors import WeightedAccumulationError
 
 
@@ -103,8 +103,9 @@ class AccumulatedGradients(struct.PyTreeNode):
   valid: jax.Array
 
 
-def init(params: Any, dtype: DTypeLike = jnp.float32,
-         loss_scale: ArrayLike = 1.0) -> AccumState:
+def init(
+  params: Any, dtype: DTypeLike = jnp.float32, loss_scale: ArrayLike = 1.0
+) -> AccumState:
   """Starts an empty window with zero buffers shaped like ``params``.
 
   Args:
@@ -132,16 +133,23 @@ def init(params: Any, dtype: DTypeLike = jnp.float32,
     ((2, 3), 0)
   """
   dt = errors.check_floating_dtype(dtype, what="init(dtype=...)")
-  ls = errors.check_loss_scale(loss_scale, what="init(loss_scale=...)",
-                               dtype=_inputs.tally_dtype(dt))
+  ls = errors.check_loss_scale(
+    loss_scale, what="init(loss_scale=...)", dtype=_inputs.tally_dtype(dt)
+  )
   _tree.check_leaves_floating(
-      _tree.flat(params),
-      what="init(params)",
-      hint="Only floating params have gradients: pass just the trainable "
-      "leaves, e.g. nnx.state(model, nnx.Param).")
+    _tree.flat(params),
+    what="init(params)",
+    hint="Only floating params have gradients: pass just the trainable "
+    "leaves, e.g. nnx.state(model, nnx.Param).",
+  )
   buffers = jax.tree.map(lambda p: _tree.zeros_like(p, dt), params)
-  return AccumState(grads=buffers, dtype=dt, **_placement.commit_like(
-      _counters.initial(work_dtype=dt, loss_scale=ls), buffers))
+  return AccumState(
+    grads=buffers,
+    dtype=dt,
+    **_placement.commit_like(
+      _counters.initial(work_dtype=dt, loss_scale=ls), buffers
+    ),
+  )
 
 
 def _work_dtype(named: list[tuple[str, Any]]) -> jnp.dtype:
@@ -149,17 +157,21 @@ def _work_dtype(named: list[tuple[str, Any]]) -> jnp.dtype:
   _tree.check_leaves_floating(named, what="from_buffers(buffers)")
   # A buffer's own dtype: a NumPy float64 buffer is float64, not the float32
   # JAX would silently make of it without x64.
-  dtypes = [np.dtype(b.dtype) if hasattr(b, "dtype")
-            else np.dtype(jnp.result_type(b)) for _, b in named]
+  dtypes = [
+    np.dtype(b.dtype) if hasattr(b, "dtype") else np.dtype(jnp.result_type(b))
+    for _, b in named
+  ]
   if len(set(dtypes)) > 1:
     odd = sorted(set(dtypes), key=str)[-1]
     raise WeightedAccumulationError(
-        "from_buffers(buffers): buffers mix dtypes "
-        f"{sorted(map(str, set(dtypes)))} (e.g. leaf "
-        f"{named[dtypes.index(odd)][0]}); an accumulator has one work dtype. "
-        "Restore every buffer in the dtype it was saved in.")
+      "from_buffers(buffers): buffers mix dtypes "
+      f"{sorted(map(str, set(dtypes)))} (e.g. leaf "
+      f"{named[dtypes.index(odd)][0]}); an accumulator has one work dtype. "
+      "Restore every buffer in the dtype it was saved in."
+    )
   return errors.check_floating_dtype(
-      dtypes[0] if dtypes else jnp.float32, what="from_buffers(buffers)")
+    dtypes[0] if dtypes else jnp.float32, what="from_buffers(buffers)"
+  )
 
 
 def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
@@ -168,10 +180,11 @@ def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
   for path, b in named:
     if bool(jnp.any(_inputs.nonzero(b))):  # on the bits: subnormals count
       raise WeightedAccumulationError(
-          f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
-          "say the window's total weight is 0 (only positive-weight "
-          "microbatches add to the buffers). Buffers and counters come from "
-          "different saves: restore them together.")
+        f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
+        "say the window's total weight is 0 (only positive-weight "
+        "microbatches add to the buffers). Buffers and counters come from "
+        "different saves: restore them together."
+      )
 
 
 def _param_sharding(param: Any) -> jax.sharding.Sharding | None:
@@ -189,9 +202,10 @@ def _place(buf: Any, param: Any, path: str, dtype: jnp.dtype) -> jax.Array:
     if isinstance(buf, jax.Array):
       if not buf.sharding.is_equivalent_to(target, buf.ndim):
         raise WeightedAccumulationError(
-            f"from_buffers(buffers): leaf {path} is placed on {buf.sharding}, "
-            f"but its param is on {target}. Restore it onto the param's "
-            "sharding (e.g. jax.device_put(buf, param.sharding)).")
+          f"from_buffers(buffers): leaf {path} is placed on {buf.sharding}, "
+          f"but its param is on {target}. Restore it onto the param's "
+          "sharding (e.g. jax.device_put(buf, param.sharding))."
+        )
       return buf
     if not getattr(param, "committed", True):  # as the param: uncommitted
       return jnp.asarray(np.asarray(buf, dtype))
@@ -199,8 +213,9 @@ def _place(buf: Any, param: Any, path: str, dtype: jnp.dtype) -> jax.Array:
   return jnp.asarray(buf, dtype)
 
 
-def from_buffers(params: Any, buffers: Any,
-                 counters: Mapping[str, Any]) -> AccumState:
+def from_buffers(
+  params: Any, buffers: Any, counters: Mapping[str, Any]
+) -> AccumState:
   """Reattaches restored buffers and counters to ``params``, validated.
 
   Use it when the buffers were restored by other means than
@@ -231,16 +246,20 @@ def from_buffers(params: Any, buffers: Any,
     >>> r.total_weight, int(r.issued)
     (5.0, 1)
   """
-  leaves = _tree.match_tree(params, buffers, what="from_buffers(buffers)",
-                            ref_name="params")
+  leaves = _tree.match_tree(
+    params, buffers, what="from_buffers(buffers)", ref_name="params"
+  )
   paths = _tree.leaf_paths(params)
   dtype = _work_dtype(list(zip(paths, leaves)))
   c = _counters.validate(counters, work_dtype=dtype)
   p_leaves, treedef = jax.tree.flatten(params)
-  placed = [_place(b, p, path, dtype)
-            for b, p, path in zip(leaves, p_leaves, paths)]
+  placed = [
+    _place(b, p, path, dtype) for b, p, path in zip(leaves, p_leaves, paths)
+  ]
   if c["weight_hi"] + c["weight_lo"] == 0:
     _check_empty_window_zero(list(zip(paths, placed)))
-  return AccumState(grads=jax.tree.unflatten(treedef, placed), dtype=dtype,
-                    **_placement.commit_like(
-                        _counters.initial(work_dtype=dtype, **c), placed))
+  return AccumState(
+    grads=jax.tree.unflatten(treedef, placed),
+    dtype=dtype,
+    **_placement.commit_like(_counters.initial(work_dtype=dtype, **c), placed),
+  )

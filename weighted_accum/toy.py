@@ -27,8 +27,9 @@ class Batch(NamedTuple):
   lengths: jax.Array
 
 
-def make_dataset(num_sequences: int = 64, max_len: int = 24, seed: int = 0,
-                 min_len: int = 0) -> Batch:
+def make_dataset(
+  num_sequences: int = 64, max_len: int = 24, seed: int = 0, min_len: int = 0
+) -> Batch:
   """Deterministic sequences of very unequal length from a noisy rule.
 
   Each sequence follows ``t[i+1] = (3 * t[i] + 1) mod VOCAB`` with 10% random
@@ -37,7 +38,8 @@ def make_dataset(num_sequences: int = 64, max_len: int = 24, seed: int = 0,
   """
   rng = np.random.default_rng(seed)
   lengths = np.minimum(
-      max_len, min_len + rng.geometric(1.0 / (max_len / 3), num_sequences) - 1)
+    max_len, min_len + rng.geometric(1.0 / (max_len / 3), num_sequences) - 1
+  )
   tokens = np.zeros((num_sequences, max_len), np.int32)
   for b, n in enumerate(lengths):
     t = rng.integers(VOCAB)
@@ -51,8 +53,9 @@ def split(batch: Batch, sizes: list[int] | tuple[int, ...]) -> list[Batch]:
   """Splits a batch into consecutive microbatches of the given row counts."""
   out, start = [], 0
   for s in sizes:
-    out.append(Batch(batch.tokens[start:start + s],
-                     batch.lengths[start:start + s]))
+    out.append(
+      Batch(batch.tokens[start : start + s], batch.lengths[start : start + s])
+    )
     start += s
   if start != batch.tokens.shape[0]:
     raise ValueError(f"sizes {sizes} do not cover {batch.tokens.shape[0]} rows")
@@ -62,12 +65,16 @@ def split(batch: Batch, sizes: list[int] | tuple[int, ...]) -> list[Batch]:
 class TinyLM(nnx.Module):
   """Embedding, one causal self-attention block with an MLP, unembedding."""
 
-  def __init__(self, *, dim: int = 32, heads: int = 2, max_len: int = 32,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, *, dim: int = 32, heads: int = 2, max_len: int = 32, rngs: nnx.Rngs
+  ):
     self.embed = nnx.Embed(VOCAB, dim, rngs=rngs)
-    self.pos = nnx.Param(jax.random.normal(rngs.params(), (max_len, dim)) * 0.02)
-    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=dim,
-                                       decode=False, rngs=rngs)
+    self.pos = nnx.Param(
+      jax.random.normal(rngs.params(), (max_len, dim)) * 0.02
+    )
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=heads, in_features=dim, decode=False, rngs=rngs
+    )
     self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
     self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
     self.mlp_in = nnx.Linear(dim, 4 * dim, rngs=rngs)
@@ -89,8 +96,9 @@ def token_losses(model: TinyLM, batch: Batch) -> tuple[jax.Array, jax.Array]:
   targets = batch.tokens[:, 1:]
   pos = jnp.arange(targets.shape[1])[None, :]
   mask = (pos < (batch.lengths[:, None] - 1)).astype(jnp.float32)
-  losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None],
-                                axis=-1)[..., 0]
+  losses = -jnp.take_along_axis(
+    jax.nn.log_softmax(logits), targets[..., None], axis=-1
+  )[..., 0]
   return losses, mask
 
 

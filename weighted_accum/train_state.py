@@ -51,17 +51,24 @@ class TrainState(train_state.TrainState):
   """
 
   @classmethod
-  def create(cls, *, apply_fn: Any, params: Any, tx: Any,
-             **kwargs: Any) -> TrainState:
+  def create(
+    cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any
+  ) -> TrainState:
     """As flax's ``create``, with ``step`` an int32 array (not the Python
     int 0), so a fresh state is a restore template of the saved one and a
     jitted step is not traced twice."""
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.asarray(state.step, jnp.int32))
 
-  def apply_gradients(self, *, grads: Any, weight: Any, finish: Any = None,
-                      next_loss_scale: Any = None,
-                      **kwargs: Any) -> TrainState:
+  def apply_gradients(
+    self,
+    *,
+    grads: Any,
+    weight: Any,
+    finish: Any = None,
+    next_loss_scale: Any = None,
+    **kwargs: Any,
+  ) -> TrainState:
     """Accumulates one microbatch; at a window's close applies its update.
 
     Args:
@@ -85,10 +92,12 @@ class TrainState(train_state.TrainState):
     update_kwargs = dict(weight=weight, finish=finish)
     if next_loss_scale is not None:
       update_kwargs["next_loss_scale"] = next_loss_scale
-    updates, opt_state = self.tx.update(grads_opt, self.opt_state,
-                                        params_opt, **update_kwargs)
+    updates, opt_state = self.tx.update(
+      grads_opt, self.opt_state, params_opt, **update_kwargs
+    )
     new_params = optax.apply_updates(params_opt, updates)
     if owg:
       new_params = {"params": new_params, _OWG: grads[_OWG]}
-    return self.replace(step=self.step + 1, params=new_params,
-                        opt_state=opt_state, **kwargs)
+    return self.replace(
+      step=self.step + 1, params=new_params, opt_state=opt_state, **kwargs
+    )

@@ -27,18 +27,23 @@ import numpy as np
 import optax
 
 from weighted_accum import _counters
-from weighted_accum import _placement
 from weighted_accum import _finish
+from weighted_accum import _placement
 from weighted_accum import _tree
 from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
 from weighted_accum import state as state_lib
-from weighted_accum.loss_scale import DynamicLossScale
 from weighted_accum.errors import WeightedAccumulationError
+from weighted_accum.loss_scale import DynamicLossScale
 
-__all__ = ["WeightedMultiSteps", "WeightedMultiStepsState", "has_updated",
-           "weighted_multi_steps", "window_counters"]
+__all__ = [
+  "WeightedMultiSteps",
+  "WeightedMultiStepsState",
+  "has_updated",
+  "weighted_multi_steps",
+  "window_counters",
+]
 
 _MODES = ("mean", "sum")
 _INT32_MAX = 2**31 - 1
@@ -168,57 +173,70 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
     (1, 1, 7.0)
   """
   window = jax.tree.map(_value, state.window)
-  return dict(mini_step=_value(state.mini_step), issued=window.issued,
-              zero_weight=window.zero_weight, rejected=window.rejected,
-              total_weight=window.total_weight, loss_scale=window.loss_scale)
+  return dict(
+    mini_step=_value(state.mini_step),
+    issued=window.issued,
+    zero_weight=window.zero_weight,
+    rejected=window.rejected,
+    total_weight=window.total_weight,
+    loss_scale=window.loss_scale,
+  )
 
 
 def _check_every_k(every_k: Any, what: str) -> int | Callable[..., Any] | None:
   """An int in [1, 2**31), a callable of ``gradient_step``, or ``None``."""
-  if every_k is None or (callable(every_k) and
-                         not isinstance(every_k, (np.generic, np.ndarray))):
+  if every_k is None or (
+    callable(every_k) and not isinstance(every_k, (np.generic, np.ndarray))
+  ):
     return every_k
   if isinstance(every_k, (bool, np.bool_)) or not isinstance(
-      every_k, (int, np.integer)):
+    every_k, (int, np.integer)
+  ):
     raise WeightedAccumulationError(
-        f"{what}: {every_k!r} is not an int or a callable. Pass the number "
-        "of microbatches per window (a Python int), a function of the "
-        "gradient step returning it (as optax.MultiSteps' "
-        "every_k_schedule), or None to close windows only with "
-        "update(..., finish=True).")
+      f"{what}: {every_k!r} is not an int or a callable. Pass the number "
+      "of microbatches per window (a Python int), a function of the "
+      "gradient step returning it (as optax.MultiSteps' "
+      "every_k_schedule), or None to close windows only with "
+      "update(..., finish=True)."
+    )
   k = operator.index(every_k)
   if not 1 <= k <= _INT32_MAX:
     raise WeightedAccumulationError(
-        f"{what}: {k} is outside [1, 2**31 - 1]; the window's microbatch "
-        "counter is int32. Pass the number of microbatches per window, or "
-        "None to close windows only with update(..., finish=True).")
+      f"{what}: {k} is outside [1, 2**31 - 1]; the window's microbatch "
+      "counter is int32. Pass the number of microbatches per window, or "
+      "None to close windows only with update(..., finish=True)."
+    )
   return k
 
 
 def _check_flag(value: Any, what: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise WeightedAccumulationError(
-        f"{what}: {value!r} is not a bool. Pass True or False.")
+      f"{what}: {value!r} is not a bool. Pass True or False."
+    )
   return bool(value)
 
 
 def _check_mode(mode: Any, what: str) -> str:
   if not isinstance(mode, str) or mode not in _MODES:
     raise WeightedAccumulationError(
-        f"{what}: {mode!r} is not one of {_MODES}. Pass 'mean' when the "
-        "grads are of each microbatch's mean loss, 'sum' when they are of "
-        "its summed loss.")
+      f"{what}: {mode!r} is not one of {_MODES}. Pass 'mean' when the "
+      "grads are of each microbatch's mean loss, 'sum' when they are of "
+      "its summed loss."
+    )
   return mode
 
 
 def _check_axis_name(axis_name: Any, what: str) -> Any:
   names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
   if axis_name is not None and not (
-      names and all(isinstance(n, str) and n for n in names)):
+    names and all(isinstance(n, str) and n for n in names)
+  ):
     raise WeightedAccumulationError(
-        f"{what}: {axis_name!r} is not a mesh axis name. Pass the data "
-        "axis' name (a str, or a tuple of them) inside jax.shard_map, or "
-        "None.")
+      f"{what}: {axis_name!r} is not a mesh axis name. Pass the data "
+      "axis' name (a str, or a tuple of them) inside jax.shard_map, or "
+      "None."
+    )
   return tuple(axis_name) if isinstance(axis_name, list) else axis_name
 
 
@@ -227,17 +245,22 @@ def _check_finish(finish: Any) -> jax.Array:
     return jnp.bool_(False)
   if isinstance(finish, (bool, np.bool_)):
     return jnp.bool_(finish)
-  if (not hasattr(finish, "dtype") or np.ndim(finish) != 0
-      or jnp.result_type(finish) != jnp.bool_):
+  if (
+    not hasattr(finish, "dtype")
+    or np.ndim(finish) != 0
+    or jnp.result_type(finish) != jnp.bool_
+  ):
     raise WeightedAccumulationError(
-        f"update(finish=...): expected a bool scalar, got {finish!r}. Pass "
-        "True to close the window after this microbatch (e.g. at the end of "
-        "an epoch), False or None otherwise; a traced bool is fine.")
+      f"update(finish=...): expected a bool scalar, got {finish!r}. Pass "
+      "True to close the window after this microbatch (e.g. at the end of "
+      "an epoch), False or None otherwise; a traced bool is fine."
+    )
   return jnp.asarray(finish)
 
 
 class _Config(NamedTuple):
   """The static choices of one :class:`WeightedMultiSteps`."""
+
   inner: optax.GradientTransformationExtraArgs
   every_k: int | Callable[..., Any] | None
   use_grad_mean: bool
@@ -248,34 +271,45 @@ class _Config(NamedTuple):
   axis_name: str | Sequence[str] | None
 
 
-def _config(who: str, k_arg: str, opt: Any, every_k: Any,
-            use_grad_mean: Any, should_skip_update_fn: Any,
-            accumulator_dtype: Any, dtype_arg: str, mode: Any,
-            loss_scale: Any, axis_name: Any) -> _Config:
+def _config(
+  who: str,
+  k_arg: str,
+  opt: Any,
+  every_k: Any,
+  use_grad_mean: Any,
+  should_skip_update_fn: Any,
+  accumulator_dtype: Any,
+  dtype_arg: str,
+  mode: Any,
+  loss_scale: Any,
+  axis_name: Any,
+) -> _Config:
   """Validates the constructor's arguments, naming each as ``who`` does."""
   if not (hasattr(opt, "init") and hasattr(opt, "update")):
     raise WeightedAccumulationError(
-        f"{who}: the inner optimizer {opt!r} is not an optax "
-        "GradientTransformation (it needs init and update).")
-  if should_skip_update_fn is not None and not callable(
-      should_skip_update_fn):
+      f"{who}: the inner optimizer {opt!r} is not an optax "
+      "GradientTransformation (it needs init and update)."
+    )
+  if should_skip_update_fn is not None and not callable(should_skip_update_fn):
     raise WeightedAccumulationError(
-        f"{who}(should_skip_update_fn=...): {should_skip_update_fn!r} is not "
-        "callable. Pass a function (updates, gradient_step, params) -> "
-        "(should_skip, skip_state), e.g. optax.skip_not_finite, or None.")
+      f"{who}(should_skip_update_fn=...): {should_skip_update_fn!r} is not "
+      "callable. Pass a function (updates, gradient_step, params) -> "
+      "(should_skip, skip_state), e.g. optax.skip_not_finite, or None."
+    )
   if not isinstance(loss_scale, DynamicLossScale):
     errors.check_loss_scale(loss_scale, what=f"{who}(loss_scale=...)")
   return _Config(
-      inner=optax.with_extra_args_support(opt),
-      every_k=_check_every_k(every_k, f"{who}({k_arg}=...)"),
-      use_grad_mean=_check_flag(use_grad_mean,
-                                f"{who}(use_grad_mean=...)"),
-      should_skip=should_skip_update_fn,
-      dtype=errors.check_floating_dtype(accumulator_dtype,
-                                        what=f"{who}({dtype_arg}=...)"),
-      mode=_check_mode(mode, f"{who}(mode=...)"),
-      loss_scale=loss_scale,
-      axis_name=_check_axis_name(axis_name, f"{who}(axis_name=...)"))
+    inner=optax.with_extra_args_support(opt),
+    every_k=_check_every_k(every_k, f"{who}({k_arg}=...)"),
+    use_grad_mean=_check_flag(use_grad_mean, f"{who}(use_grad_mean=...)"),
+    should_skip=should_skip_update_fn,
+    dtype=errors.check_floating_dtype(
+      accumulator_dtype, what=f"{who}({dtype_arg}=...)"
+    ),
+    mode=_check_mode(mode, f"{who}(mode=...)"),
+    loss_scale=loss_scale,
+    axis_name=_check_axis_name(axis_name, f"{who}(axis_name=...)"),
+  )
 
 
 class _Closed(NamedTuple):
@@ -294,6 +328,7 @@ class _Closed(NamedTuple):
     empty: a close of a window with zero total weight (kept open).
     scaler: the dynamic loss scale after this call (``None`` without one).
   """
+
   carrier: Any
   inner_state: Any
   counters: state_lib.AccumState
@@ -313,30 +348,38 @@ class _Inner(NamedTuple):
       them for these grads and params.
     carry: whether the updates fit in the window's buffers exactly.
   """
+
   update: Callable[..., Any]
   shapes: Any
   carry: bool
 
 
-def _should_skip(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
-                 params: Any) -> tuple[jax.Array | None, Any]:
+def _should_skip(
+  cfg: _Config, grads: Any, state: WeightedMultiStepsState, params: Any
+) -> tuple[jax.Array | None, Any]:
   """``should_skip_update_fn``'s verdict on this microbatch, optax's way."""
   if cfg.should_skip is None:
     return None, state.skip_state
   skip, skip_state = cfg.should_skip(grads, state.gradient_step, params)
   if (jnp.result_type(skip), np.shape(skip)) != (jnp.bool_, ()):
     raise WeightedAccumulationError(
-        "WeightedMultiSteps(should_skip_update_fn=...): it returned "
-        f"{jnp.result_type(skip)} of shape {np.shape(skip)} as should_skip; "
-        "it must return a bool scalar (and the skip state).")
+      "WeightedMultiSteps(should_skip_update_fn=...): it returned "
+      f"{jnp.result_type(skip)} of shape {np.shape(skip)} as should_skip; "
+      "it must return a bool scalar (and the skip state)."
+    )
   if cfg.axis_name is not None:
     # Every replica must skip together, or their windows would drift apart.
     skip = lax.pmax(jnp.asarray(skip, jnp.int32), cfg.axis_name) > 0
   return jnp.asarray(skip), skip_state
 
 
-def _accumulate(cfg: _Config, accum: state_lib.AccumState, grads: Any,
-                weight: Any, skip: jax.Array | None) -> state_lib.AccumState:
+def _accumulate(
+  cfg: _Config,
+  accum: state_lib.AccumState,
+  grads: Any,
+  weight: Any,
+  skip: jax.Array | None,
+) -> state_lib.AccumState:
   """Adds one microbatch, summed over ``cfg.axis_name`` when given. A
   skipped microbatch adds weight 0 (a select: NaN grads stay out) and leaves
   the counters as they were."""
@@ -352,12 +395,17 @@ def _accumulate(cfg: _Config, accum: state_lib.AccumState, grads: Any,
   if skip is None:
     return new
   old = _counters.of(accum)
-  return new.replace(**{k: jnp.where(skip, old[k], v)
-                        for k, v in _counters.of(new).items()})
+  return new.replace(
+    **{k: jnp.where(skip, old[k], v) for k, v in _counters.of(new).items()}
+  )
 
 
-def _closes(cfg: _Config, closing: jax.Array, mini_step: jax.Array,
-            gradient_step: jax.Array) -> jax.Array:
+def _closes(
+  cfg: _Config,
+  closing: jax.Array,
+  mini_step: jax.Array,
+  gradient_step: jax.Array,
+) -> jax.Array:
   """Whether this microbatch closes the window: ``finish`` or ``every_k``."""
   if cfg.every_k is None:
     return closing
@@ -366,22 +414,33 @@ def _closes(cfg: _Config, closing: jax.Array, mini_step: jax.Array,
 
 
 def _cast_like(tree: Any, dtypes: Any) -> Any:
-  return jax.tree.map(lambda x, d: jnp.asarray(x).astype(jnp.result_type(d)), tree,
-                      dtypes)
+  return jax.tree.map(
+    lambda x, d: jnp.asarray(x).astype(jnp.result_type(d)), tree, dtypes
+  )
 
 
-def _inner_update(cfg: _Config, dtypes: list[Any], extra_args: dict[str, Any],
-                  g: Any, inner_state: Any, params: Any) -> tuple[Any, Any]:
+def _inner_update(
+  cfg: _Config,
+  dtypes: list[Any],
+  extra_args: dict[str, Any],
+  g: Any,
+  inner_state: Any,
+  params: Any,
+) -> tuple[Any, Any]:
   """The inner update of the window gradient ``g`` cast leaf by leaf to
   ``dtypes``."""
   leaves, treedef = jax.tree.flatten(g)
-  g = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(leaves,
-                                                                 dtypes)])
+  g = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(leaves, dtypes)])
   return cfg.inner.update(g, inner_state, params, **extra_args)
 
 
-def _plan_inner(cfg: _Config, state: WeightedMultiStepsState, grads: Any,
-                params: Any, extra_args: dict[str, Any]) -> _Inner:
+def _plan_inner(
+  cfg: _Config,
+  state: WeightedMultiStepsState,
+  grads: Any,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> _Inner:
   """How the window reaches the inner optimizer, in which dtypes.
 
   ``optax.MultiSteps`` hands the inner optimizer the grads' dtype, and its
@@ -393,13 +452,15 @@ def _plan_inner(cfg: _Config, state: WeightedMultiStepsState, grads: Any,
   ms_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
   dtypes = ms_dtypes
   if params is not None:
-    p_leaves = _tree.match_tree(state.acc_grads, params,
-                                 what="update(params)")
-    dtypes = [jnp.promote_types(d, jnp.result_type(p))
-              for d, p in zip(ms_dtypes, p_leaves)]
+    p_leaves = _tree.match_tree(state.acc_grads, params, what="update(params)")
+    dtypes = [
+      jnp.promote_types(d, jnp.result_type(p))
+      for d, p in zip(ms_dtypes, p_leaves)
+    ]
   ms_update = functools.partial(_inner_update, cfg, ms_dtypes, extra_args)
-  shapes = jax.eval_shape(ms_update, state.acc_grads, state.inner_opt_state,
-                          params)[0]
+  shapes = jax.eval_shape(
+    ms_update, state.acc_grads, state.inner_opt_state, params
+  )[0]
   wide = functools.partial(_inner_update, cfg, dtypes, extra_args)
 
   def update(g, inner_state, params):
@@ -415,17 +476,19 @@ def _can_carry(shapes: Any, buffers: Any) -> bool:
   buf_leaves, buf_def = jax.tree.flatten(buffers)
   upd_leaves, upd_def = jax.tree.flatten(shapes)
   return upd_def == buf_def and all(
-      u.shape == b.shape and
-      jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
-      for u, b in zip(upd_leaves, buf_leaves))
+    u.shape == b.shape
+    and jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
+    for u, b in zip(upd_leaves, buf_leaves)
+  )
 
 
 def _zero_updates(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _window_grad(use_grad_mean: bool, loss_scale: jax.Array,
-                 weight: jax.Array, buffers: Any) -> Any:
+def _window_grad(
+  use_grad_mean: bool, loss_scale: jax.Array, weight: jax.Array, buffers: Any
+) -> Any:
   """The window's gradient from its sums, in at least float32 (when total
   weight * loss scale < 1 the mean can exceed float16's range although the
   sums do not)."""
@@ -433,9 +496,15 @@ def _window_grad(use_grad_mean: bool, loss_scale: jax.Array,
   return _finish.divide(buffers, loss_scale, divisor, wide=True)
 
 
-def _apply_window(inner: _Inner, use_grad_mean: bool, loss_scale: jax.Array,
-                  weight: jax.Array, buffers: Any, inner_state: Any,
-                  params: Any) -> tuple[Any, Any, jax.Array]:
+def _apply_window(
+  inner: _Inner,
+  use_grad_mean: bool,
+  loss_scale: jax.Array,
+  weight: jax.Array,
+  buffers: Any,
+  inner_state: Any,
+  params: Any,
+) -> tuple[Any, Any, jax.Array]:
   """The window's gradient through the inner optimizer; returns its
   updates (over the buffers when they carry them), the inner state and
   whether the updates are finite.
@@ -455,58 +524,94 @@ def _apply_window(inner: _Inner, use_grad_mean: bool, loss_scale: jax.Array,
   return upd, new_inner, _tree.all_finite(upd)
 
 
-def _skip_window(inner: _Inner, buffers: Any, inner_state: Any,
-                 params: Any) -> tuple[Any, Any, jax.Array]:
+def _skip_window(
+  inner: _Inner, buffers: Any, inner_state: Any, params: Any
+) -> tuple[Any, Any, jax.Array]:
   del params
-  return (buffers if inner.carry else _zero_updates(inner.shapes),
-          inner_state, jnp.bool_(False))
+  return (
+    buffers if inner.carry else _zero_updates(inner.shapes),
+    inner_state,
+    jnp.bool_(False),
+  )
 
 
-def _close(inner: _Inner, use_grad_mean: bool, next_loss_scale: Any,
-           accum: state_lib.AccumState, inner_state: Any, params: Any,
-           scaler: DynamicLossScale | None) -> _Closed:
+def _close(
+  inner: _Inner,
+  use_grad_mean: bool,
+  next_loss_scale: Any,
+  accum: state_lib.AccumState,
+  inner_state: Any,
+  params: Any,
+  scaler: DynamicLossScale | None,
+) -> _Closed:
   """Closes the window: applies it if valid, and starts the next one."""
   # The window's validity from its sums, read in place: finish_mean's
   # normalised copy would be a parameter-sized temporary (XLA:CPU does not
   # fuse the division into the finiteness reduction).
-  out, new = _finish.finish(accum, mean=False, keep_empty=True,
-                            next_loss_scale=next_loss_scale)
+  out, new = _finish.finish(
+    accum, mean=False, keep_empty=True, next_loss_scale=next_loss_scale
+  )
   nonempty = out.weight > 0
   if scaler is not None:
     # GradScaler's rule once per consumed window (an empty one stays open
     # and is not a step); the next window starts at the new scale.
     adjusted = scaler.adjust(out.finite)
-    scaler = jax.tree.map(lambda a, b: jnp.where(nonempty, a, b), adjusted,
-                          scaler)
+    scaler = jax.tree.map(
+      lambda a, b: jnp.where(nonempty, a, b), adjusted, scaler
+    )
     next_loss_scale = scaler.scale
   # As finish_mean, an empty window keeps its counters, but it takes the
   # next loss scale: its buffers are zero, so that is exact, and the
   # caller's next microbatches are scaled by it.
-  counters = new.replace(grads=None, loss_scale=_finish.next_scale(
-      accum, next_loss_scale))
+  counters = new.replace(
+    grads=None, loss_scale=_finish.next_scale(accum, next_loss_scale)
+  )
   # An invalid window (non-finite or empty) does not reach the inner
   # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN) nor
   # a select (which would make XLA copy the inner state).
   valid = out.valid
   upd, new_inner, upd_ok = lax.cond(
-      valid,
-      functools.partial(_apply_window, inner, use_grad_mean,
-                        accum.loss_scale, out.weight),
-      functools.partial(_skip_window, inner),
-      accum.grads, inner_state, params)
-  return _Closed(carrier=upd, inner_state=new_inner, counters=counters,
-                 applied=upd_ok, nonfinite=nonempty & ~upd_ok,
-                 consumed=nonempty, empty=~nonempty, scaler=scaler)
+    valid,
+    functools.partial(
+      _apply_window, inner, use_grad_mean, accum.loss_scale, out.weight
+    ),
+    functools.partial(_skip_window, inner),
+    accum.grads,
+    inner_state,
+    params,
+  )
+  return _Closed(
+    carrier=upd,
+    inner_state=new_inner,
+    counters=counters,
+    applied=upd_ok,
+    nonfinite=nonempty & ~upd_ok,
+    consumed=nonempty,
+    empty=~nonempty,
+    scaler=scaler,
+  )
 
 
-def _stay_open(inner: _Inner, accum: state_lib.AccumState, inner_state: Any,
-               params: Any, scaler: DynamicLossScale | None) -> _Closed:
+def _stay_open(
+  inner: _Inner,
+  accum: state_lib.AccumState,
+  inner_state: Any,
+  params: Any,
+  scaler: DynamicLossScale | None,
+) -> _Closed:
   del params
   f = jnp.bool_(False)
   carrier = accum.grads if inner.carry else _zero_updates(inner.shapes)
-  return _Closed(carrier=carrier, inner_state=inner_state,
-                 counters=accum.replace(grads=None), applied=f, nonfinite=f,
-                 consumed=f, empty=f, scaler=scaler)
+  return _Closed(
+    carrier=carrier,
+    inner_state=inner_state,
+    counters=accum.replace(grads=None),
+    applied=f,
+    nonfinite=f,
+    consumed=f,
+    empty=f,
+    scaler=scaler,
+  )
 
 
 def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
@@ -517,91 +622,129 @@ def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
     # of the updates and writes the buffers in place (a conditional here
     # would make it copy the buffers first).
     updates = jax.tree.map(
-        lambda c, s: jnp.where(closed.applied, c,
-                               jnp.zeros((), c.dtype)).astype(s.dtype),
-        closed.carrier, inner.shapes)
+      lambda c, s: jnp.where(closed.applied, c, jnp.zeros((), c.dtype)).astype(
+        s.dtype
+      ),
+      closed.carrier,
+      inner.shapes,
+    )
     buffers = jax.tree.map(
-        lambda c: jnp.where(closed.consumed, jnp.zeros((), c.dtype), c),
-        closed.carrier)
+      lambda c: jnp.where(closed.consumed, jnp.zeros((), c.dtype), c),
+      closed.carrier,
+    )
     return updates, buffers
   # Zeroing the consumed window's buffers in a conditional of its own (its
   # predicate comes out of the one above, so it runs after the buffers were
   # read) lets XLA update them in place.
-  buffers = lax.cond(closed.consumed,
-                     lambda b: jax.tree.map(jnp.zeros_like, b),
-                     lambda b: b, buffers)
+  buffers = lax.cond(
+    closed.consumed,
+    lambda b: jax.tree.map(jnp.zeros_like, b),
+    lambda b: b,
+    buffers,
+  )
   updates = jax.tree.map(
-      lambda u: jnp.where(closed.applied, u, jnp.zeros((), u.dtype)),
-      closed.carrier)
+    lambda u: jnp.where(closed.applied, u, jnp.zeros((), u.dtype)),
+    closed.carrier,
+  )
   return updates, buffers
 
 
-def _next_state(state: WeightedMultiStepsState, closed: _Closed,
-                buffers: Any, closing: jax.Array, mini_step: jax.Array,
-                skip: jax.Array | None,
-                skip_state: Any) -> WeightedMultiStepsState:
+def _next_state(
+  state: WeightedMultiStepsState,
+  closed: _Closed,
+  buffers: Any,
+  closing: jax.Array,
+  mini_step: jax.Array,
+  skip: jax.Array | None,
+  skip_state: Any,
+) -> WeightedMultiStepsState:
   one = jnp.int32(1)
   count = lambda flag: jnp.where(flag, one, 0)
   skipped = state.skipped if skip is None else state.skipped + count(skip)
   return WeightedMultiStepsState(
-      mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
-      gradient_step=state.gradient_step + count(closed.applied),
-      inner_opt_state=closed.inner_state,
-      acc_grads=buffers,
-      skip_state=skip_state,
-      window=closed.counters,
-      updated=closed.applied,
-      nonfinite=closed.nonfinite,
-      nonfinite_windows=state.nonfinite_windows + count(closed.nonfinite),
-      empty_windows=state.empty_windows + count(closed.empty),
-      skipped=skipped,
-      loss_scaler=closed.scaler)
+    mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
+    gradient_step=state.gradient_step + count(closed.applied),
+    inner_opt_state=closed.inner_state,
+    acc_grads=buffers,
+    skip_state=skip_state,
+    window=closed.counters,
+    updated=closed.applied,
+    nonfinite=closed.nonfinite,
+    nonfinite_windows=state.nonfinite_windows + count(closed.nonfinite),
+    empty_windows=state.empty_windows + count(closed.empty),
+    skipped=skipped,
+    loss_scaler=closed.scaler,
+  )
 
 
 def _init(cfg: _Config, params: Any) -> WeightedMultiStepsState:
-  scaler = cfg.loss_scale if isinstance(cfg.loss_scale,
-                                         DynamicLossScale) else None
+  scaler = (
+    cfg.loss_scale if isinstance(cfg.loss_scale, DynamicLossScale) else None
+  )
   if scaler is not None:
     # Fresh arrays: a donated state must not hold one buffer twice.
     scaler = jax.tree.map(lambda x: jnp.array(x, copy=True), scaler)
   accum = state_lib.init(
-      params, dtype=cfg.dtype,
-      loss_scale=(cfg.loss_scale if scaler is None
-                  else jnp.array(scaler.scale, copy=True)))
+    params,
+    dtype=cfg.dtype,
+    loss_scale=(
+      cfg.loss_scale if scaler is None else jnp.array(scaler.scale, copy=True)
+    ),
+  )
   # A distinct array per field: a donated state must not hold one buffer
   # twice.
   count = lambda: jnp.zeros((), jnp.int32)
   skip_state = ()
   if cfg.should_skip is not None:
-    _, skip_state = cfg.should_skip(optax.tree.zeros_like(params), count(),
-                                    params)
+    _, skip_state = cfg.should_skip(
+      optax.tree.zeros_like(params), count(), params
+    )
   # Scalars committed like the params (the inner state's too), as a jitted
   # step returns them: else its second call compiles again (_placement).
-  return _placement.commit_like(WeightedMultiStepsState(
-      mini_step=count(), gradient_step=count(),
-      inner_opt_state=cfg.inner.init(params), acc_grads=accum.grads,
-      skip_state=skip_state, window=accum.replace(grads=None),
-      updated=jnp.zeros((), jnp.bool_), nonfinite=jnp.zeros((), jnp.bool_),
-      nonfinite_windows=count(), empty_windows=count(), skipped=count(),
-      loss_scaler=scaler), params)
+  return _placement.commit_like(
+    WeightedMultiStepsState(
+      mini_step=count(),
+      gradient_step=count(),
+      inner_opt_state=cfg.inner.init(params),
+      acc_grads=accum.grads,
+      skip_state=skip_state,
+      window=accum.replace(grads=None),
+      updated=jnp.zeros((), jnp.bool_),
+      nonfinite=jnp.zeros((), jnp.bool_),
+      nonfinite_windows=count(),
+      empty_windows=count(),
+      skipped=count(),
+      loss_scaler=scaler,
+    ),
+    params,
+  )
 
 
-def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
-            params: Any = None, *, weight: Any, finish: Any = None,
-            next_loss_scale: Any = None, **extra_args: Any
-            ) -> tuple[Any, WeightedMultiStepsState]:
+def _update(
+  cfg: _Config,
+  grads: Any,
+  state: WeightedMultiStepsState,
+  params: Any = None,
+  *,
+  weight: Any,
+  finish: Any = None,
+  next_loss_scale: Any = None,
+  **extra_args: Any,
+) -> tuple[Any, WeightedMultiStepsState]:
   """One microbatch: accumulate, then close the window or keep it open."""
   finish = _check_finish(finish)
   if next_loss_scale is not None:
     if state.loss_scaler is not None:
       raise WeightedAccumulationError(
-          "update(next_loss_scale=...): this transformation's loss scale is "
-          "a DynamicLossScale, which sets each window's scale itself. Drop "
-          "next_loss_scale, or construct it with a fixed loss_scale.")
+        "update(next_loss_scale=...): this transformation's loss scale is "
+        "a DynamicLossScale, which sets each window's scale itself. Drop "
+        "next_loss_scale, or construct it with a fixed loss_scale."
+      )
     # The converted host value: a scale committed to another device must not
     # meet the buffers inside the kernel.
     next_loss_scale = errors.check_loss_scale(
-        next_loss_scale, what="update(next_loss_scale=...)")
+      next_loss_scale, what="update(next_loss_scale=...)"
+    )
   skip, skip_state = _should_skip(cfg, grads, state, params)
   accum = _accumulate(cfg, state.accum, grads, weight, skip)
   mini_step = state.mini_step + (1 if skip is None else _count_unless(skip))
@@ -610,13 +753,18 @@ def _update(cfg: _Config, grads: Any, state: WeightedMultiStepsState,
   # Mid-window the inner update is not computed: both branches of this
   # conditional pass the buffers and the inner state through untouched.
   closed = lax.cond(
-      closing,
-      functools.partial(_close, inner, cfg.use_grad_mean, next_loss_scale),
-      functools.partial(_stay_open, inner),
-      accum, state.inner_opt_state, params, state.loss_scaler)
+    closing,
+    functools.partial(_close, inner, cfg.use_grad_mean, next_loss_scale),
+    functools.partial(_stay_open, inner),
+    accum,
+    state.inner_opt_state,
+    params,
+    state.loss_scaler,
+  )
   updates, buffers = _outputs(closed, inner, accum.grads)
-  return updates, _next_state(state, closed, buffers, closing, mini_step,
-                              skip, skip_state)
+  return updates, _next_state(
+    state, closed, buffers, closing, mini_step, skip, skip_state
+  )
 
 
 def _count_unless(flag: jax.Array) -> jax.Array:
@@ -702,17 +850,31 @@ class WeightedMultiSteps:
     ([-1.0, -2.0], True)
   """
 
-  def __init__(self, opt: optax.GradientTransformation,
-               every_k_schedule: int | Callable[[jax.Array], Any] | None,
-               use_grad_mean: bool = True,
-               should_skip_update_fn: Callable[..., Any] | None = None,
-               accumulator_dtype: Any = jnp.float32, *, mode: str = "mean",
-               loss_scale: float | jax.Array = 1.0,
-               axis_name: str | Sequence[str] | None = None):
+  def __init__(
+    self,
+    opt: optax.GradientTransformation,
+    every_k_schedule: int | Callable[[jax.Array], Any] | None,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: Callable[..., Any] | None = None,
+    accumulator_dtype: Any = jnp.float32,
+    *,
+    mode: str = "mean",
+    loss_scale: float | jax.Array = 1.0,
+    axis_name: str | Sequence[str] | None = None,
+  ):
     self._cfg = _config(
-        "WeightedMultiSteps", "every_k_schedule", opt, every_k_schedule,
-        use_grad_mean, should_skip_update_fn, accumulator_dtype,
-        "accumulator_dtype", mode, loss_scale, axis_name)
+      "WeightedMultiSteps",
+      "every_k_schedule",
+      opt,
+      every_k_schedule,
+      use_grad_mean,
+      should_skip_update_fn,
+      accumulator_dtype,
+      "accumulator_dtype",
+      mode,
+      loss_scale,
+      axis_name,
+    )
 
   @classmethod
   def _from_config(cls, cfg: _Config) -> WeightedMultiSteps:
@@ -736,10 +898,17 @@ class WeightedMultiSteps:
     """
     return _init(self._cfg, params)
 
-  def update(self, updates: Any, state: WeightedMultiStepsState,
-             params: Any = None, *, weight: Any, finish: Any = None,
-             next_loss_scale: Any = None, **extra_args: Any
-             ) -> tuple[Any, WeightedMultiStepsState]:
+  def update(
+    self,
+    updates: Any,
+    state: WeightedMultiStepsState,
+    params: Any = None,
+    *,
+    weight: Any,
+    finish: Any = None,
+    next_loss_scale: Any = None,
+    **extra_args: Any,
+  ) -> tuple[Any, WeightedMultiStepsState]:
     """Accumulates one microbatch; applies the window when it closes.
 
     Args:
@@ -764,9 +933,16 @@ class WeightedMultiSteps:
         params (naming the leaf), a concrete invalid weight, or an invalid
         ``finish`` or ``next_loss_scale``.
     """
-    return _update(self._cfg, updates, state, params, weight=weight,
-                   finish=finish, next_loss_scale=next_loss_scale,
-                   **extra_args)
+    return _update(
+      self._cfg,
+      updates,
+      state,
+      params,
+      weight=weight,
+      finish=finish,
+      next_loss_scale=next_loss_scale,
+      **extra_args,
+    )
 
   def has_updated(self, state: WeightedMultiStepsState) -> jax.Array:
     """Whether the last ``update`` applied a window (see
@@ -779,13 +955,13 @@ class WeightedMultiSteps:
 
 
 def weighted_multi_steps(
-    inner: optax.GradientTransformation,
-    every_k: int | Callable[[jax.Array], Any] | None = None,
-    *,
-    mode: str = "mean",
-    dtype: DTypeLike = jnp.float32,
-    loss_scale: ArrayLike = 1.0,
-    axis_name: str | Sequence[str] | None = None,
+  inner: optax.GradientTransformation,
+  every_k: int | Callable[[jax.Array], Any] | None = None,
+  *,
+  mode: str = "mean",
+  dtype: DTypeLike = jnp.float32,
+  loss_scale: ArrayLike = 1.0,
+  axis_name: str | Sequence[str] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Weighted gradient accumulation in front of an optax optimizer.
 
@@ -856,6 +1032,17 @@ def weighted_multi_steps(
     >>> params['w'].tolist()   # 1 - (3*1 + 1*5)/4, -1 - 1
     [-1.0, -2.0]
   """
-  cfg = _config("weighted_multi_steps", "every_k", inner, every_k, True,
-                None, dtype, "dtype", mode, loss_scale, axis_name)
+  cfg = _config(
+    "weighted_multi_steps",
+    "every_k",
+    inner,
+    every_k,
+    True,
+    None,
+    dtype,
+    "dtype",
+    mode,
+    loss_scale,
+    axis_name,
+  )
   return WeightedMultiSteps._from_config(cfg).gradient_transformation()  # pylint: disable=protected-access

@@ -10,18 +10,21 @@ step").
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+import functools
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from weighted_accum import _finish, _tree, errors
+from weighted_accum import _finish
+from weighted_accum import _tree
+from weighted_accum import errors
 from weighted_accum.loss_scale import DynamicLossScale
-from weighted_accum.state import AccumState, AccumulatedGradients
+from weighted_accum.state import AccumState
+from weighted_accum.state import AccumulatedGradients
 
 __all__ = ["apply_window", "close"]
 
@@ -32,10 +35,14 @@ def _fill_like(x: jax.Array, value: jax.Array) -> jax.Array:
   return jnp.where(jnp.zeros_like(x, dtype=bool), x, value.astype(x.dtype))
 
 
-def close(state: AccumState, operands: Any,
-          apply: Callable[[Any, Any], Any], skip: Callable[[Any, Any], Any],
-          *, next_loss_scale: Any = None
-          ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
+def close(
+  state: AccumState,
+  operands: Any,
+  apply: Callable[[Any, Any], Any],
+  skip: Callable[[Any, Any], Any],
+  *,
+  next_loss_scale: Any = None,
+) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
   """The close kernel of :func:`apply_window`, generic in what it applies.
 
   The window's sums, weight and finiteness come from the one finish path
@@ -64,8 +71,9 @@ def close(state: AccumState, operands: Any,
     keeps its counters; its buffers are zero); ``out`` describes the closed
     window, with ``grads=None``.
   """
-  out, new_state = _finish.finish(state, mean=False, keep_empty=True,
-                                  next_loss_scale=next_loss_scale)
+  out, new_state = _finish.finish(
+    state, mean=False, keep_empty=True, next_loss_scale=next_loss_scale
+  )
 
   def valid_branch(sums, operands):
     mean = _finish.divide(sums, out.loss_scale, out.weight, wide=True)
@@ -76,36 +84,52 @@ def close(state: AccumState, operands: Any,
     # that XLA could forward out of the conditional.
     return skip(sums, operands), jnp.minimum(out.weight, 0)
 
-  result, zero = lax.cond(out.valid, valid_branch, invalid_branch,
-                          out.grads, operands)
+  result, zero = lax.cond(
+    out.valid, valid_branch, invalid_branch, out.grads, operands
+  )
   return result, zero, new_state, out.replace(grads=None)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _apply_window_kernel(tx: optax.GradientTransformation, state: AccumState,
-                         params: Any, opt_state: Any,
-                         next_loss_scale: jax.Array | None):
+def _apply_window_kernel(
+  tx: optax.GradientTransformation,
+  state: AccumState,
+  params: Any,
+  opt_state: Any,
+  next_loss_scale: jax.Array | None,
+):
   like = jax.tree.leaves(params)
 
   def apply(mean, operands):
     params, opt_state = operands
     leaves, treedef = jax.tree.flatten(mean)
-    mean = jax.tree.unflatten(treedef, [
-        m.astype(jnp.result_type(p)) for m, p in zip(leaves, like)])
+    mean = jax.tree.unflatten(
+      treedef, [m.astype(jnp.result_type(p)) for m, p in zip(leaves, like)]
+    )
     updates, opt_state = tx.update(mean, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   (params, opt_state), zero, state, out = close(
-      state, (params, opt_state), apply, lambda sums, operands: operands,
-      next_loss_scale=next_loss_scale)
+    state,
+    (params, opt_state),
+    apply,
+    lambda sums, operands: operands,
+    next_loss_scale=next_loss_scale,
+  )
   state = state.replace(
-      grads=jax.tree.map(lambda b: _fill_like(b, zero), state.grads))
+    grads=jax.tree.map(lambda b: _fill_like(b, zero), state.grads)
+  )
   return params, opt_state, state, out
 
 
-def apply_window(tx: optax.GradientTransformation, state: AccumState,
-                 params: Any, opt_state: Any, *, next_loss_scale: Any = None
-                 ) -> tuple[Any, Any, AccumState, AccumulatedGradients]:
+def apply_window(
+  tx: optax.GradientTransformation,
+  state: AccumState,
+  params: Any,
+  opt_state: Any,
+  *,
+  next_loss_scale: Any = None,
+) -> tuple[Any, Any, AccumState, AccumulatedGradients]:
   """Finishes the window and applies its mean gradient with ``tx``, once.
 
   Equivalent to ``finish_mean``, ``tx.update``, ``optax.apply_updates`` and
@@ -167,17 +191,25 @@ def apply_window(tx: optax.GradientTransformation, state: AccumState,
     >>> params['w'].tolist(), bool(out.valid), int(state.issued)
     ([-1.0, -2.0], True, 0)
   """
-  if not (callable(getattr(tx, "init", None)) and
-          callable(getattr(tx, "update", None))):
+  if not (
+    callable(getattr(tx, "init", None))
+    and callable(getattr(tx, "update", None))
+  ):
     raise errors.WeightedAccumulationError(
-        f"apply_window(tx): {type(tx).__name__} is not an optax "
-        "GradientTransformation (an object with init and update). Pass the "
-        "optimizer itself, e.g. optax.adamw(1e-3).")
-  _tree.match_tree(state.grads, params, what="apply_window(params)",
-                    ref_name="the accumulator's buffers")
+      f"apply_window(tx): {type(tx).__name__} is not an optax "
+      "GradientTransformation (an object with init and update). Pass the "
+      "optimizer itself, e.g. optax.adamw(1e-3)."
+    )
+  _tree.match_tree(
+    state.grads,
+    params,
+    what="apply_window(params)",
+    ref_name="the accumulator's buffers",
+  )
   if isinstance(next_loss_scale, DynamicLossScale):
     next_loss_scale = next_loss_scale.scale
   if next_loss_scale is not None:
-    errors.check_loss_scale(next_loss_scale,
-                            what="apply_window(next_loss_scale=...)")
+    errors.check_loss_scale(
+      next_loss_scale, what="apply_window(next_loss_scale=...)"
+    )
   return _apply_window_kernel(tx, state, params, opt_state, next_loss_scale)
