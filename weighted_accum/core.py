@@ -26,6 +26,29 @@ from weighted_accum.state import AccumState
 from weighted_accum.state import AccumulatedGradients
 
 
+def _accumulate(
+  state: AccumState,
+  grads: Any,
+  weight: Any,
+  mean: bool,
+  checked: bool,
+  name: str,
+) -> AccumState:
+  """Validates one microbatch (cached when eager) and adds it."""
+  leaves, placed = _validation_cache.check_microbatch(
+    state, grads, weight, name
+  )
+  return _accum.add(
+    state,
+    leaves,
+    weight,
+    mean=mean,
+    checked=checked,
+    placed=placed,
+    name=name,
+  )
+
+
 def accumulate_sum(
   state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
 ) -> AccumState:
@@ -69,18 +92,7 @@ def accumulate_sum(
     >>> out.weight.item()
     4.0
   """
-  leaves, placed = _validation_cache.check_microbatch(
-    state, grads, weight, "accumulate_sum"
-  )
-  return _accum.add(
-    state,
-    leaves,
-    weight,
-    mean=False,
-    checked=checked,
-    placed=placed,
-    name="accumulate_sum",
-  )
+  return _accumulate(state, grads, weight, False, checked, "accumulate_sum")
 
 
 def accumulate_mean(
@@ -115,18 +127,7 @@ def accumulate_mean(
     >>> out.grads['w'].item()
     2.0
   """
-  leaves, placed = _validation_cache.check_microbatch(
-    state, grads, weight, "accumulate_mean"
-  )
-  return _accum.add(
-    state,
-    leaves,
-    weight,
-    mean=True,
-    checked=checked,
-    placed=placed,
-    name="accumulate_mean",
-  )
+  return _accumulate(state, grads, weight, True, checked, "accumulate_mean")
 
 
 @functools.partial(jax.jit, static_argnames=("mean",))

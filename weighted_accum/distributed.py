@@ -179,6 +179,18 @@ def _cast_args(
   return tuple(args)
 
 
+def _on_local_params(
+  fn: Callable[..., Any], axis_name: AxisName, argnums: Any, what: str
+) -> Callable[..., Any]:
+  """``fn`` called with its differentiated arguments cast to varying."""
+
+  def wrapped(*args, **kwargs):
+    axes = _axes(axis_name, what)
+    return fn(*_cast_args(args, argnums, axes), **kwargs)
+
+  return wrapped
+
+
 def local_grad(
   fun: Callable[..., Any],
   axis_name: AxisName,
@@ -222,12 +234,7 @@ def local_grad(
     True
   """
   grad_fn = jax.grad(fun, argnums=argnums, has_aux=has_aux)
-
-  def wrapped(*args, **kwargs):
-    axes = _axes(axis_name, "local_grad")
-    return grad_fn(*_cast_args(args, argnums, axes), **kwargs)
-
-  return wrapped
+  return _on_local_params(grad_fn, axis_name, argnums, "local_grad")
 
 
 def local_value_and_grad(
@@ -270,12 +277,7 @@ def local_value_and_grad(
     (True, True)
   """
   vg_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-
-  def wrapped(*args, **kwargs):
-    axes = _axes(axis_name, "local_value_and_grad")
-    return vg_fn(*_cast_args(args, argnums, axes), **kwargs)
-
-  return wrapped
+  return _on_local_params(vg_fn, axis_name, argnums, "local_value_and_grad")
 
 
 # ------------------------------------------------------------ accumulation --

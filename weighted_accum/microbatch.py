@@ -10,6 +10,7 @@ memory and all-reduce figures: ``docs/microbatching.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import functools
 from typing import Any
 
 import jax
@@ -292,6 +293,21 @@ def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
   )
 
 
+def _prepare(args, n_real, *, axis_name, diff, single, batch, k):
+  """The axes, the differentiated params, the split batch and the number of
+  real microbatches of one call."""
+  what = "microbatched_value_and_grad"
+  axes = None if axis_name is None else dist._axes(axis_name, what)  # pylint: disable=protected-access
+  if max(diff) >= len(args):
+    raise WeightedAccumulationError(
+      f"{what}: argnums {diff} but the function was called with "
+      f"{len(args)} positional argument(s). Pass the params at argnums and "
+      "the batch at batch_argnums."
+    )
+  params = args[diff[0]] if single else tuple(args[i] for i in diff)
+  return axes, params, _split(args, batch, k), _real_count(n_real, k)
+
+
 def microbatched_value_and_grad(
   loss_fn: Callable[..., Any],
   num_microbatches: int,
@@ -392,15 +408,9 @@ def microbatched_value_and_grad(
     mode=mode,
   )
 
-  def prepare(args, n_real):
-    axes = None if axis_name is None else dist._axes(axis_name, what)  # pylint: disable=protected-access
-    if max(diff) >= len(args):
-      raise WeightedAccumulationError(
-        f"{what}: argnums {diff} but the function was called with "
-        f"{len(args)} positional argument(s)."
-      )
-    params = args[diff[0]] if single else tuple(args[i] for i in diff)
-    return axes, params, _split(args, batch, k), _real_count(n_real, k)
+  prepare = functools.partial(
+    _prepare, axis_name=axis_name, diff=diff, single=single, batch=batch, k=k
+  )
 
   def f(*args, num_real_microbatches=None, loss_scale=None):
     axes, params, split, n_real = prepare(args, num_real_microbatches)
