@@ -3,7 +3,8 @@
 Every ``name>=floor`` of ``[project].dependencies`` in pyproject.toml must be
 pinned as ``name==floor`` in ci/lower-bounds.txt, and installed at that
 version; so the lower-bound CI run tests the floors users are promised. A
-test-extra package pinned there (chex) must match its floor in the extra.
+test-extra package pinned there (chex) must match its floor in the extras
+(``test-core``, ``test``).
 """
 
 import importlib.metadata
@@ -43,7 +44,8 @@ def main() -> int:
   floors = _floors(project["dependencies"])
   if floors is None:
     return 1
-  extra = _floors(project["optional-dependencies"]["test"], strict=False)
+  extras = project["optional-dependencies"]
+  extra = _floors(extras["test-core"] + extras["test"], strict=False)
   pins = {}
   for line in (ROOT / "ci" / "lower-bounds.txt").read_text().splitlines():
     line = line.split("#")[0].strip()

@@ -82,7 +82,7 @@ def _step(variant, tx, **kw):
 
 def _reference(tx, params, opt_state, batch=BATCH):
   """Full-batch gradient of the mean loss, handed to optax directly."""
-  g = jax.grad(_loss)(params, batch, "mean")
+  g = _grad(params, batch, "mean")
   updates, opt_state = tx.update(g, opt_state, params)
   return optax.apply_updates(params, updates), opt_state
 
@@ -110,18 +110,27 @@ def _linear_tx():
   )
 
 
+# One optimizer and one step per variant for every hypothesis example: a new
+# ``tx`` would be a new static argument, so a new compilation, each time.
+_LINEAR_TX = _linear_tx()
+_SPLIT_STEPS = {
+  jitted: _step(
+    (lambda f, **kw: jax.jit(f, **kw)) if jitted else (lambda f, **kw: f),
+    _LINEAR_TX,
+  )
+  for jitted in (False, True)
+}
+
+
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-@settings(max_examples=8)
+@settings(max_examples=8, deadline=None)
 @given(split=splits())
 def test_any_split_equals_full_batch_optimizer_step(jitted, split):
-  variant = (
-    (lambda f, **kw: jax.jit(f, **kw)) if jitted else (lambda f, **kw: f)
-  )
-  tx = _linear_tx()
+  tx = _LINEAR_TX
   opt_state = tx.init(PARAMS)
   ref_params, ref_opt = _reference(tx, PARAMS, opt_state)
   state = _window(*split)
-  params, new_opt, state, out = _step(variant, tx)(
+  params, new_opt, state, out = _SPLIT_STEPS[jitted](
     state, _copy(PARAMS), _copy(opt_state)
   )
   assert bool(out.valid) and bool(out.finite)

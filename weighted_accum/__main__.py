@@ -55,6 +55,13 @@ def _build(graphdef: Any) -> _Demo:
   )
 
 
+def _microbatches(batch: toy.Batch) -> list[toy.Batch]:
+  """The batch's microbatches of ``SIZES`` rows, each padded with empty rows
+  to one shape (one compiled gradient, as with a real input pipeline)."""
+  return toy.split(batch, SIZES, pad_to=max(SIZES))
+
+
+_plain_mean = jax.jit(lambda *gs: jax.tree.map(lambda *g: sum(g) / len(g), *gs))
 _acc_mean = jax.jit(wa.accumulate_mean, donate_argnums=0)
 _finish = jax.jit(wa.finish_mean, donate_argnums=0)
 
@@ -62,7 +69,7 @@ _finish = jax.jit(wa.finish_mean, donate_argnums=0)
 def _weighted(demo: _Demo, params: Any, batch: Any) -> Any:
   """This library: each microbatch's mean gradient weighted by its tokens."""
   state = wa.init(params)
-  for mb in toy.split(batch, SIZES):
+  for mb in _microbatches(batch):
     state = _acc_mean(state, demo.grad(params, mb, "mean"), toy.weight(mb))
   out, _ = _finish(state)
   return out.grads
@@ -70,18 +77,19 @@ def _weighted(demo: _Demo, params: Any, batch: Any) -> Any:
 
 def _equal_weight(demo: _Demo, params: Any, batch: Any) -> Any:
   """What ``optax.MultiSteps`` computes: the plain mean of the means."""
-  gs = [demo.grad(params, mb, "mean") for mb in toy.split(batch, SIZES)]
-  return jax.tree.map(lambda *g: sum(g) / len(g), *gs)
+  gs = [demo.grad(params, mb, "mean") for mb in _microbatches(batch)]
+  return _plain_mean(*gs)
 
 
 def _gradient_table(
   demo: _Demo, params0: Any, batch: Any, n_params: int
 ) -> None:
-  weights = [int(toy.weight(mb)) for mb in toy.split(batch, SIZES)]
+  weights = [int(toy.weight(mb)) for mb in _microbatches(batch)]
   print(
     f"weighted_accum demo: TinyLM ({n_params:,} params), one batch of "
     f"{sum(SIZES)} sequences of lengths {int(batch.lengths.min())}.."
-    f"{int(batch.lengths.max())}, split into {len(SIZES)} microbatches"
+    f"{int(batch.lengths.max())}, split into {len(SIZES)} microbatches "
+    f"of {list(SIZES)} sequences (each padded to {max(SIZES)} rows)"
   )
   print(f"tokens per microbatch: {weights} (total {sum(weights)})\n")
   full = demo.grad(params0, batch, "mean")

@@ -49,13 +49,26 @@ def make_dataset(
   return Batch(jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32))
 
 
-def split(batch: Batch, sizes: list[int] | tuple[int, ...]) -> list[Batch]:
-  """Splits a batch into consecutive microbatches of the given row counts."""
+def split(
+  batch: Batch, sizes: list[int] | tuple[int, ...], pad_to: int | None = None
+) -> list[Batch]:
+  """Splits a batch into consecutive microbatches of the given row counts.
+
+  With ``pad_to``, each microbatch is padded with empty rows (length 0, so
+  no predicted tokens) to ``pad_to`` rows: every microbatch then has one
+  shape, and a jitted gradient compiles once, as in a real input pipeline.
+  """
+  all_tokens, all_lengths = np.asarray(batch.tokens), np.asarray(batch.lengths)
   out, start = [], 0
   for s in sizes:
-    out.append(
-      Batch(batch.tokens[start : start + s], batch.lengths[start : start + s])
-    )
+    tokens = all_tokens[start : start + s]
+    lengths = all_lengths[start : start + s]
+    if pad_to is not None:
+      if s > pad_to:
+        raise ValueError(f"a microbatch of {s} rows exceeds pad_to={pad_to}")
+      tokens = np.pad(tokens, ((0, pad_to - s), (0, 0)))
+      lengths = np.pad(lengths, (0, pad_to - s))
+    out.append(Batch(jnp.asarray(tokens), jnp.asarray(lengths)))
     start += s
   if start != batch.tokens.shape[0]:
     raise ValueError(f"sizes {sizes} do not cover {batch.tokens.shape[0]} rows")

@@ -34,6 +34,7 @@ from weighted_accum import core
 from weighted_accum import distributed
 from weighted_accum import errors
 from weighted_accum import state as state_lib
+from weighted_accum import window
 from weighted_accum.errors import WeightedAccumulationError
 from weighted_accum.loss_scale import DynamicLossScale
 
@@ -486,34 +487,15 @@ def _zero_updates(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _window_grad(
-  use_grad_mean: bool, loss_scale: jax.Array, weight: jax.Array, buffers: Any
-) -> Any:
-  """The window's gradient from its sums, in at least float32 (when total
-  weight * loss scale < 1 the mean can exceed float16's range although the
-  sums do not)."""
-  divisor = weight if use_grad_mean else jnp.ones((), jnp.float32)
-  return _finish.divide(buffers, loss_scale, divisor, wide=True)
-
-
 def _apply_window(
-  inner: _Inner,
-  use_grad_mean: bool,
-  loss_scale: jax.Array,
-  weight: jax.Array,
-  buffers: Any,
-  inner_state: Any,
-  params: Any,
+  inner: _Inner, buffers: Any, g: Any, operands: Any
 ) -> tuple[Any, Any, jax.Array]:
-  """The window's gradient through the inner optimizer; returns its
-  updates (over the buffers when they carry them), the inner state and
-  whether the updates are finite.
-
-  The division happens inside this branch so that XLA fuses it into the
-  inner update's loops instead of materialising the gradient as an operand
-  of the conditional.
-  """
-  g = _window_grad(use_grad_mean, loss_scale, weight, buffers)
+  """The window's gradient ``g`` (divided by ``window.close`` inside this
+  branch, so XLA fuses the division into the inner update's loops) through
+  the inner optimizer; returns its updates (over the buffers when they carry
+  them: ``buffers`` gives their dtypes), the inner state and whether the
+  updates are finite."""
+  inner_state, params = operands
   upd, new_inner = inner.update(g, inner_state, params)
   if inner.carry:
     upd = jax.tree.map(lambda u, b: u.astype(b.dtype), upd, buffers)
@@ -525,11 +507,11 @@ def _apply_window(
 
 
 def _skip_window(
-  inner: _Inner, buffers: Any, inner_state: Any, params: Any
+  inner: _Inner, sums: Any, operands: Any
 ) -> tuple[Any, Any, jax.Array]:
-  del params
+  inner_state, _ = operands
   return (
-    buffers if inner.carry else _zero_updates(inner.shapes),
+    sums if inner.carry else _zero_updates(inner.shapes),
     inner_state,
     jnp.bool_(False),
   )
@@ -544,12 +526,21 @@ def _close(
   params: Any,
   scaler: DynamicLossScale | None,
 ) -> _Closed:
-  """Closes the window: applies it if valid, and starts the next one."""
-  # The window's validity from its sums, read in place: finish_mean's
-  # normalised copy would be a parameter-sized temporary (XLA:CPU does not
-  # fuse the division into the finiteness reduction).
-  out, new = _finish.finish(
-    accum, mean=False, keep_empty=True, next_loss_scale=next_loss_scale
+  """Closes the window with ``apply_window``'s kernel (``window.close``):
+  applies it if valid, and starts the next one.
+
+  An invalid window (non-finite or empty) does not reach the inner
+  optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN) nor a
+  select (which would make XLA copy the inner state). The window's validity
+  comes from its sums, read in place.
+  """
+  (upd, new_inner, upd_ok), _, new, out = window.close(
+    accum,
+    (inner_state, params),
+    functools.partial(_apply_window, inner, accum.grads),
+    functools.partial(_skip_window, inner),
+    next_loss_scale=next_loss_scale,
+    mean=use_grad_mean,
   )
   nonempty = out.weight > 0
   if scaler is not None:
@@ -565,20 +556,6 @@ def _close(
   # caller's next microbatches are scaled by it.
   counters = new.replace(
     grads=None, loss_scale=_finish.next_scale(accum, next_loss_scale)
-  )
-  # An invalid window (non-finite or empty) does not reach the inner
-  # optimizer at all: a conditional, not a 0/1 product (0 * NaN = NaN) nor
-  # a select (which would make XLA copy the inner state).
-  valid = out.valid
-  upd, new_inner, upd_ok = lax.cond(
-    valid,
-    functools.partial(
-      _apply_window, inner, use_grad_mean, accum.loss_scale, out.weight
-    ),
-    functools.partial(_skip_window, inner),
-    accum.grads,
-    inner_state,
-    params,
   )
   return _Closed(
     carrier=upd,

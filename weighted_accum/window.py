@@ -42,15 +42,18 @@ def close(
   skip: Callable[[Any, Any], Any],
   *,
   next_loss_scale: Any = None,
+  mean: bool = True,
 ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
-  """The close kernel of :func:`apply_window`, generic in what it applies.
+  """The close kernel of :func:`apply_window` and of the optax wrapper's
+  close, generic in what it applies.
 
   The window's sums, weight and finiteness come from the one finish path
   (read in place, before anything else); then one ``lax.cond`` on the
   window's validity runs either ``apply(mean, operands)`` (the optimizer's
   work, handed the window's mean gradient in at least float32, divided
   inside the branch so that XLA fuses the division into the optimizer's
-  loops) or ``skip(sums, operands)`` (an invalid window: nothing advances).
+  loops; with ``mean=False`` the window's sum, divided by the loss scale
+  only) or ``skip(sums, operands)`` (an invalid window: nothing advances).
 
   Args:
     state: the window to close.
@@ -59,8 +62,10 @@ def close(
     apply: ``(mean_grads, operands) -> result`` for a valid window.
     skip: ``(sums, operands) -> result`` (same structure) for an invalid
       one; ``sums`` are the pending buffers.
-    next_loss_scale: the next window's loss scale (``None``: unchanged; an
-      invalid traced value keeps the current one).
+    next_loss_scale: the next window's loss scale (``None``: unchanged; a
+      traced invalid one marks the next window unusable, as in
+      ``finish_mean``).
+    mean: hand ``apply`` the weighted mean (``True``) or the weighted sum.
 
   Returns:
     ``(result, zero, new_state, out)``. ``zero`` is a float32 0 computed by
@@ -76,8 +81,9 @@ def close(
   )
 
   def valid_branch(sums, operands):
-    mean = _finish.divide(sums, out.loss_scale, out.weight, wide=True)
-    return apply(mean, operands), jnp.zeros((), jnp.float32)
+    divisor = out.weight if mean else jnp.ones((), jnp.float32)
+    grads = _finish.divide(sums, out.loss_scale, divisor, wide=True)
+    return apply(grads, operands), jnp.zeros((), jnp.float32)
 
   def invalid_branch(sums, operands):
     # 0 as well (the weight is finite and non-negative), but not a constant
@@ -100,13 +106,13 @@ def _apply_window_kernel(
 ):
   like = jax.tree.leaves(params)
 
-  def apply(mean, operands):
+  def apply(grads, operands):
     params, opt_state = operands
-    leaves, treedef = jax.tree.flatten(mean)
-    mean = jax.tree.unflatten(
+    leaves, treedef = jax.tree.flatten(grads)
+    grads = jax.tree.unflatten(
       treedef, [m.astype(jnp.result_type(p)) for m, p in zip(leaves, like)]
     )
-    updates, opt_state = tx.update(mean, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   (params, opt_state), zero, state, out = close(
