@@ -1,5 +1,14 @@
-"""Executes every notebook in notebooks/ (their cells assert their claims)."""
+"""Executes every notebook in notebooks/ (their cells assert their claims).
 
+The kernels run with XLA's CPU backend optimisation level 0: the notebooks'
+programs are small, so compiling them dominates, and level 0 compiles them
+about 1.5x faster (03: 51 s -> 33 s alone). It lowers LLVM's optimisation of
+the generated code; every claim the notebooks assert (errors against the
+full batch, compiled temporaries, all-reduce counts) holds at both levels.
+The stored outputs that the docs render come from the default level.
+"""
+
+import os
 import pathlib
 
 import nbclient
@@ -21,7 +30,11 @@ def test_notebook_executes(path):
     kernel_name="python3",
     resources={"metadata": {"path": str(path.parent)}},
   )
-  client.execute()
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (
+    env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  ).strip()
+  client.execute(env=env)
   errors = [
     o
     for c in nb.cells
