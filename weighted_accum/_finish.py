@@ -30,6 +30,7 @@ def divide(
   *,
   wide: bool = False,
   mark_nonfinite: bool = False,
+  usable: bool = False,
 ) -> Any:
   """``(sums / loss_scale) / weight`` per leaf; zeros where ``weight <= 0``.
 
@@ -42,14 +43,18 @@ def divide(
   scale): nothing is divided by them. With ``mark_nonfinite`` the result is
   NaN where the sum was NaN or Inf, so that the result alone tells a
   non-finite pending value (NaN) from an overflow of the mean (Inf): see
-  :func:`result`.
+  :func:`result`. ``usable=True`` skips that masking where the caller
+  already knows the divisors are usable (inside a ``lax.cond`` on a valid
+  window): XLA would otherwise copy the scalar check into every leaf's
+  fused loop, tripling the instructions it compiles there.
   """
-  ok = usable_divisors(loss_scale, weight)
+  ok = True if usable else usable_divisors(loss_scale, weight)
 
   def one(b):
     ct = compute_dtype(b.dtype)
     g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
-    g = jnp.where(ok, g, jnp.zeros((), ct))
+    if not usable:
+      g = jnp.where(ok, g, jnp.zeros((), ct))
     if mark_nonfinite:
       g = jnp.where(jnp.isfinite(b), g, jnp.asarray(jnp.nan, ct))
     return g if wide else g.astype(b.dtype)

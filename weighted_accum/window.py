@@ -82,7 +82,10 @@ def close(
 
   def valid_branch(sums, operands):
     divisor = out.weight if mean else jnp.ones((), jnp.float32)
-    grads = _finish.divide(sums, out.loss_scale, divisor, wide=True)
+    # A valid window has a usable loss scale and a positive finite weight.
+    grads = _finish.divide(
+      sums, out.loss_scale, divisor, wide=True, usable=True
+    )
     return apply(grads, operands), jnp.zeros((), jnp.float32)
 
   def invalid_branch(sums, operands):
