@@ -14,4 +14,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from hypothesis import settings  # noqa: E402  pylint: disable=g-import-not-at-top
 
 settings.register_profile("ci", max_examples=25, deadline=None, print_blob=True)
+# The CI's lower-bound stage (.ci/run): the same properties, fewer examples.
+settings.register_profile(
+  "floors", max_examples=10, deadline=None, print_blob=True
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -1,5 +1,6 @@
 """Shared test helpers: the regression model with per-item weights, its
-losses, and the relative errors the tests compare with.
+losses, the relative errors the tests compare with, and a hypothesis
+strategy of microbatch splits.
 
 A one-hidden-layer regression: item i of a microbatch has weight ``m[i]`` (0
 for padding, fractional allowed); the loss SUM is ``sum(m * l)`` and the loss
@@ -8,6 +9,9 @@ MEAN is that divided by ``sum(m)`` (NaN for an all-zero microbatch: 0/0).
 
 from __future__ import annotations
 
+import itertools
+
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,3 +56,19 @@ def max_rel_err(got, ref) -> float:
     b = np.asarray(b, np.float64)
     errs.append(np.max(np.abs(a - b)) / np.max(np.abs(b)))
   return float(max(errs))
+
+
+@st.composite
+def row_splits(draw, n: int, max_cuts: int):
+  """Cut points of an ``n``-row batch into 1..``max_cuts + 1`` consecutive
+  microbatches, each with a loss kind: ``([(start, stop), ...], kinds)``."""
+  cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=max_cuts)))
+  bounds = [0, *cuts, n]
+  kinds = draw(
+    st.lists(
+      st.sampled_from(["sum", "mean"]),
+      min_size=len(bounds) - 1,
+      max_size=len(bounds) - 1,
+    )
+  )
+  return list(itertools.pairwise(bounds)), kinds

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from _helpers import rel_err
+from _helpers import row_splits
 import weighted_accum as wa
 from weighted_accum import toy
 
@@ -55,21 +56,10 @@ _acc_mean = jax.jit(wa.accumulate_mean)
 _fin_mean = jax.jit(wa.finish_mean)
 
 
-@st.composite
-def splits(draw):
+def splits():
   """Cut points of the 12-row batch into 1..6 consecutive microbatches, each
   with a loss kind (sum or mean)."""
-  n = BATCH.lengths.shape[0]
-  cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=5)))
-  bounds = [0, *cuts, n]
-  kinds = draw(
-    st.lists(
-      st.sampled_from(["sum", "mean"]),
-      min_size=len(bounds) - 1,
-      max_size=len(bounds) - 1,
-    )
-  )
-  return list(zip(bounds[:-1], bounds[1:])), kinds
+  return row_splits(BATCH.lengths.shape[0], 5)
 
 
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])

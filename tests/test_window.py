@@ -8,13 +8,11 @@ applied.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 from flax import nnx
 from hypothesis import given
 from hypothesis import settings
-from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -23,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 
+from _helpers import row_splits
 import weighted_accum as wa
 from weighted_accum import toy
 
@@ -87,19 +86,8 @@ def _reference(tx, params, opt_state, batch=BATCH):
   return optax.apply_updates(params, updates), opt_state
 
 
-@st.composite
-def splits(draw):
-  n = BATCH.lengths.shape[0]
-  cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=4)))
-  bounds = [0, *cuts, n]
-  kinds = draw(
-    st.lists(
-      st.sampled_from(["sum", "mean"]),
-      min_size=len(bounds) - 1,
-      max_size=len(bounds) - 1,
-    )
-  )
-  return list(itertools.pairwise(bounds)), kinds
+def splits():
+  return row_splits(BATCH.lengths.shape[0], 4)
 
 
 # Optimizers linear in the gradient (Adam's first step is sign(g), which a
