@@ -28,6 +28,7 @@ import optax
 
 from weighted_accum import _counters
 from weighted_accum import _finish
+from weighted_accum import _inputs
 from weighted_accum import _placement
 from weighted_accum import _tree
 from weighted_accum import core
@@ -210,14 +211,6 @@ def _check_every_k(every_k: Any, what: str) -> int | Callable[..., Any] | None:
   return k
 
 
-def _check_flag(value: Any, what: str) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise WeightedAccumulationError(
-      f"{what}: {value!r} is not a bool. Pass True or False."
-    )
-  return bool(value)
-
-
 def _check_mode(mode: Any, what: str) -> str:
   if not isinstance(mode, str) or mode not in _MODES:
     raise WeightedAccumulationError(
@@ -302,7 +295,9 @@ def _config(
   return _Config(
     inner=optax.with_extra_args_support(opt),
     every_k=_check_every_k(every_k, f"{who}({k_arg}=...)"),
-    use_grad_mean=_check_flag(use_grad_mean, f"{who}(use_grad_mean=...)"),
+    use_grad_mean=_inputs.static_flag(
+      use_grad_mean, what=f"{who}(use_grad_mean=...)"
+    ),
     should_skip=should_skip_update_fn,
     dtype=errors.check_floating_dtype(
       accumulator_dtype, what=f"{who}({dtype_arg}=...)"
