@@ -100,7 +100,7 @@ nb_merge_streams = True
 # are left out of the HTML instead of failing the -W build.
 suppress_warnings = ["mystnb.unknown_mime_type"]
 
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
