@@ -85,6 +85,7 @@ exclude_patterns = [
   "_build",
   "_ext",
   "_inventories",
+  "_templates",
   "Thumbs.db",
   ".DS_Store",
   "**/.ipynb_checkpoints",
@@ -150,14 +151,29 @@ _URLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get(
   "urls", {}
 )
 html_theme_options = {}
-if "Repository" in _URLS:  # a link to the repository in the header
+html_context = {"repository_url": _URLS.get("Repository")}
+templates_path = ["_templates"]
+# The repository link sits under the site's title (sidebar/repository.html).
+html_sidebars = {
+  "**": [
+    "sidebar/brand.html",
+    "sidebar/repository.html",
+    "sidebar/search.html",
+    "sidebar/scroll-start.html",
+    "sidebar/navigation.html",
+    "sidebar/scroll-end.html",
+  ]
+}
+if "Repository" in _URLS:  # "view source" / "edit" on every page, as on GitHub
+  _REPO = _URLS["Repository"].rstrip("/")
   html_theme_options.update(
-    source_repository=_URLS["Repository"],
-    source_branch="main",
-    source_directory="docs/",
+    source_view_link=f"{_REPO}/blob/main/docs/{{filename}}",
+    source_edit_link=f"{_REPO}/edit/main/docs/{{filename}}",
     top_of_page_buttons=["view", "edit"],
+    footer_icons=[
+      {"name": "Repository", "url": _REPO, "html": "Source", "class": ""}
+    ],
   )
-  html_context = {"repository_url": _URLS["Repository"]}
 
 # ../notebooks/NAME.ipynb (the path on the repository view) -> the copy.
 _NOTEBOOK_LINK = re.compile(r"\]\(\.\./notebooks/([\w.-]+\.ipynb)")
