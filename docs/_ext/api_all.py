@@ -79,6 +79,10 @@ def _members(name: str) -> list[tuple[str, object, str]]:
     return [(f"{PACKAGE}.{name}", obj, kind)]
   top = {id(getattr(pkg, n)) for n in pkg.__all__}
   out = []
+  if not hasattr(obj, "__all__"):
+    logger.warning(
+      "wa-api: %s has no __all__: its names are not documented", obj.__name__
+    )
   for sub in getattr(obj, "__all__", ()):
     member = getattr(obj, sub)
     if id(member) not in top:
