@@ -30,12 +30,6 @@ from weighted_accum._src.base import (
 from weighted_accum._src.checkpoint import AccumRestore as AccumRestore
 from weighted_accum._src.checkpoint import AccumSave as AccumSave
 from weighted_accum._src.checkpoint import abstract_state as abstract_state
-
-# Data parallelism (more in weighted_accum.distributed).
-from weighted_accum._src.distributed import local_grad as local_grad
-from weighted_accum._src.distributed import (
-  local_value_and_grad as local_value_and_grad,
-)
 from weighted_accum._src.distributed import reduce_sums as reduce_sums
 from weighted_accum._src.errors import (
   WeightedAccumulationError as WeightedAccumulationError,
@@ -43,6 +37,12 @@ from weighted_accum._src.errors import (
 from weighted_accum._src.finishing import apply_window as apply_window
 from weighted_accum._src.finishing import finish_mean as finish_mean
 from weighted_accum._src.finishing import finish_sums as finish_sums
+
+# Data parallelism (more in weighted_accum.distributed).
+from weighted_accum._src.local_grads import local_grad as local_grad
+from weighted_accum._src.local_grads import (
+  local_value_and_grad as local_value_and_grad,
+)
 from weighted_accum._src.loss_scale import DynamicLossScale as DynamicLossScale
 
 # Inside one jitted step: a loop over the microbatches of a global batch.

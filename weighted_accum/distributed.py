@@ -11,12 +11,12 @@ from weighted_accum._src.distributed import accumulate_mean as accumulate_mean
 from weighted_accum._src.distributed import accumulate_sum as accumulate_sum
 from weighted_accum._src.distributed import finish_mean as finish_mean
 from weighted_accum._src.distributed import init as init
-from weighted_accum._src.distributed import is_reduced as is_reduced
-from weighted_accum._src.distributed import local_grad as local_grad
-from weighted_accum._src.distributed import (
+from weighted_accum._src.distributed import reduce_sums as reduce_sums
+from weighted_accum._src.local_grads import is_reduced as is_reduced
+from weighted_accum._src.local_grads import local_grad as local_grad
+from weighted_accum._src.local_grads import (
   local_value_and_grad as local_value_and_grad,
 )
-from weighted_accum._src.distributed import reduce_sums as reduce_sums
 
 __all__ = [
   "REDUCE_MODES",

@@ -20,6 +20,7 @@ from weighted_accum._src import accumulation
 from weighted_accum._src import base
 from weighted_accum._src import distributed as dist
 from weighted_accum._src import finishing
+from weighted_accum._src import local_grads
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
 from weighted_accum._src import window
@@ -146,7 +147,9 @@ def _loop(cfg: _Config, state: AccumState, args: tuple, split: dict, n_real):
   vg = (
     jax.value_and_grad(scaled, argnums=nums, has_aux=True)
     if axes is None
-    else dist.local_value_and_grad(scaled, axes, argnums=nums, has_aux=True)
+    else local_grads.local_value_and_grad(
+      scaled, axes, argnums=nums, has_aux=True
+    )
   )
   scale = state.loss_scale
   aux_shape = jax.eval_shape(
