@@ -65,9 +65,20 @@ def mesh_of(placement: str) -> jax.sharding.Mesh:
 
 def place(tree: dict, placement: str) -> dict:
   """``tree`` (host arrays keyed like ``SHAPES``) placed as ``placement``
-  says: "one" leaves them on the default device, uncommitted."""
+  says: "one" leaves them on the default device, uncommitted; "dev0"
+  commits them to device 0; "split" commits ``b`` to device 0 and ``w`` to
+  device 1 (params committed to two different devices)."""
   if placement == "one":
     return {k: jnp.asarray(v) for k, v in tree.items()}
+  if placement == "dev0":
+    return {
+      k: jax.device_put(np.asarray(v), DEVICES[0]) for k, v in tree.items()
+    }
+  if placement == "split":
+    return {
+      "b": jax.device_put(np.asarray(tree["b"]), DEVICES[0]),
+      "w": jax.device_put(np.asarray(tree["w"]), DEVICES[1]),
+    }
   mesh = mesh_of(placement)
   return {
     k: jax.device_put(np.asarray(v), NamedSharding(mesh, _SPECS[placement][k]))
