@@ -173,6 +173,16 @@ ENTRIES = {
     r"microbatched_value_and_grad\(loss_scale",
   ),
   "microbatched_value_and_grad(...)(loss_scale=)": (_mvg_call, r"loss_scale"),
+  "from_buffers": (
+    lambda v: (
+      wa.from_buffers(
+        _params(),
+        {k: np.zeros_like(x) for k, x in host_params().items()},
+        {"loss_scale": v},
+      ).loss_scale
+    ),
+    r"loss_scale",
+  ),
   "distributed.init": (_dist_init, r"init\(loss_scale"),
   "distributed.finish_mean": (_dist_finish, r"finish_mean\(next_loss_scale"),
 }

@@ -79,6 +79,22 @@ def test_accumulate_sharded_eager(weight, kind):
   assert_same(base, snap)
 
 
+@pytest.mark.parametrize("weight", WEIGHTS, ids=WEIGHT_IDS)
+def test_from_buffers_total_weight(weight):
+  """A restored window of one microbatch whose total weight is hostile;
+  zero (with non-zero buffers) is refused too (docs/inputs.md)."""
+  _, make, ref = weight
+  params = place(host_params(), "dev8")
+  counters = {"issued": 1, "total_weight": make()}
+  if not weight_ok(ref) or ref == 0:
+    with pytest.raises(Error, match=r"'total_weight'|non-zero"):
+      wa.from_buffers(params, G, counters)
+    return
+  s = wa.from_buffers(params, G, counters)
+  _check_total(s.total_weight, ref)
+  assert_close(s.grads, G64, 0)
+
+
 _J_MEAN = jax.jit(wa.accumulate_mean)
 
 
