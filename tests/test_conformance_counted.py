@@ -61,9 +61,10 @@ def test_train_state_weight_with_the_wrapper_is_exact(form):
   else:
     tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, mode="mean")
   ts = wa.TrainState.create(apply_fn=None, params=host_params(), tx=tx)
+  step = jax.jit(lambda ts, g, w: ts.apply_gradients(grads=g, weight=w))
   for _ in range(2):
-    ts = ts.apply_gradients(grads=G, weight=3)
-    ts = ts.apply_gradients(grads={k: 5 * v for k, v in G.items()}, weight=1)
+    ts = step(ts, G, 3.0)
+    ts = step(ts, {k: 5 * v for k, v in G.items()}, 1.0)
   hp = host_params()
   assert_close(ts.params, {k: hp[k] - 4.0 * G[k] for k in G}, 1e-6)
 
@@ -110,6 +111,27 @@ def _check(result, x, y, m):
 
 
 SIZES = [None, 2, 4]
+_MICRO = {}
+
+
+def _micro(how, mode, size):
+  """One jitted function per (optax entry point, mode, microbatch size)."""
+  key = (how, mode, size)
+  if key not in _MICRO:
+    vg = jax.value_and_grad(
+      lambda p, x, y, m: _row_loss(p, x, y, m, mode), has_aux=True
+    )
+    acc = wa.optax_accumulator(mode=mode)
+    if how == "micro_vmap":
+      f = microbatching.micro_vmap(
+        vg, in_axes=(None, 0, 0, 0), microbatch_size=size, accumulator=acc
+      )
+    else:
+      f = microbatching.microbatch(
+        vg, argnums=(1, 2, 3), microbatch_size=size, accumulator=acc
+      )
+    _MICRO[key] = jax.jit(f)
+  return _MICRO[key]
 
 
 @pytest.mark.parametrize("padded", ["clean", "nan"])
@@ -118,38 +140,20 @@ SIZES = [None, 2, 4]
 def test_optax_accumulator_micro_vmap(mode, size, padded):
   """Per-example ``((loss, weight), grads)`` over the batch axis; example 2
   has weight 0 (and, "nan", NaN inputs: it must add nothing)."""
-  vg = jax.value_and_grad(
-    lambda p, x, y, m: _row_loss(p, x, y, m, mode), has_aux=True
-  )
-  f = microbatching.micro_vmap(
-    vg,
-    in_axes=(None, 0, 0, 0),
-    microbatch_size=size,
-    accumulator=wa.optax_accumulator(mode=mode),
-  )
   x, y, m = _data(padded == "nan")
-  _check(jax.jit(f)(host_params(), x, y, m), x, y, m)
+  _check(_micro("micro_vmap", mode, size)(host_params(), x, y, m), x, y, m)
 
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_optax_accumulator_microbatch(mode, size):
   """Microbatches of ``size`` examples: ``((loss, weight), grads)`` each."""
-  vg = jax.value_and_grad(
-    lambda p, x, y, m: _row_loss(p, x, y, m, mode), has_aux=True
-  )
-  f = microbatching.microbatch(
-    vg,
-    argnums=(1, 2, 3),
-    microbatch_size=size,
-    accumulator=wa.optax_accumulator(mode=mode),
-  )
   # optax splits column-major: with size 2, microbatch 2 holds rows 2 and
   # 6, both padded (0/0 in "mean" mode, NaN inputs): it adds nothing. With
   # size 4 the padded rows share microbatches with real ones, where a NaN
   # input would make the caller's own loss NaN: no NaN then.
   x, y, m = _data(padded_nan=size == 2)
-  _check(jax.jit(f)(host_params(), x, y, m), x, y, m)
+  _check(_micro("microbatch", mode, size)(host_params(), x, y, m), x, y, m)
 
 
 @pytest.mark.parametrize("keep_batch_dim", [True, False])

@@ -211,12 +211,6 @@ def test_restore_into_another_work_dtype_names_it():
     _save_restore(s, wa.checkpoint.abstract_state(P0, jnp.float32))
 
 
-def test_restore_of_the_same_optimizer_round_trips():
-  s = _wrapper_state(optax.adam(1e-3))
-  out = _save_restore(s, _wrapper_state(optax.adam(1e-3)))
-  assert_same(out, snapshot(s))
-
-
 # ------------------------------------- the matrix names every entry point --
 
 # Public names that are types or modules, not entry points taking values.
