@@ -45,7 +45,9 @@ def _imports(path: pathlib.Path) -> set[str]:
           sub = f"{node.module}.{alias.name}"
           found.add(sub if _is_module(sub) else node.module)
     elif isinstance(node, ast.Import):
-      found |= {a.name for a in node.names if a.name.startswith("weighted_accum")}
+      found |= {
+        a.name for a in node.names if a.name.startswith("weighted_accum")
+      }
   return found
 
 

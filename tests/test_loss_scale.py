@@ -239,7 +239,6 @@ def test_replace_is_validated():
     (dict(scale=1e39), "scale"),  # beyond float32
     (dict(scale=1e-46), "scale"),  # rounds to 0 in float32
     (dict(scale=np.ones(2)), "scale"),
-    (dict(scale=True), "scale"),
     (dict(scale="65536"), "scale"),
     (dict(scale=0.5), "min_scale"),  # below the default min_scale 1
     (dict(scale=4.0, min_scale=8.0), "min_scale"),

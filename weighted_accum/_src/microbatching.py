@@ -21,6 +21,7 @@ from weighted_accum._src import base
 from weighted_accum._src import distributed as dist
 from weighted_accum._src import finishing
 from weighted_accum._src import local_grads
+from weighted_accum._src import numerics
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
 from weighted_accum._src import window
@@ -129,7 +130,8 @@ def _scaled_loss(cfg: _Config):
         "expected a scalar (the microbatch's item count, e.g. mask.sum())."
       )
     weight = jax.lax.stop_gradient(jnp.asarray(weight))
-    return loss.astype(_F32) * scale.astype(_F32), (loss, weight, aux)
+    ct = numerics.compute_dtype(loss.dtype)  # float64 stays float64
+    return loss.astype(ct) * scale.astype(ct), (loss, weight, aux)
 
   return scaled
 

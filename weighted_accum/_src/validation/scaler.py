@@ -81,10 +81,6 @@ def scaler_scale(x: Any, *, what: str, min_scale: float) -> jax.Array:
     traced_scalar(x, what, SCALE_NOUN)
     return x.astype(jnp.float32)
   v = float(host_number(x, what=what, noun=SCALE_NOUN))
-  if isinstance(x, (bool, np.bool_)):
-    raise WeightedAccumulationError(
-      f"{what}: got {x!r}; expected a real number, {SCALE_NOUN}."
-    )
   v32 = float32_number(
     v,
     what=what,
