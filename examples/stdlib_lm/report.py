@@ -117,14 +117,17 @@ def _speed_table(res) -> list[str]:
 
 
 def figure(res: dict[str, Any]):
-  """Four panels: gradient errors, train-loss gaps, validation, speed."""
+  """Six panels: gradient errors, speed and memory; the training and
+  validation losses, and their gaps to the full-batch run's."""
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+  fig, ax = plt.subplots(2, 3, figsize=(15, 7.5))
   _plot_gradients(ax[0, 0], res)
-  _plot_train_gap(ax[0, 1], res)
-  _plot_validation(ax[1, 0], res)
-  _plot_speed(ax[1, 1], res)
+  _plot_train(ax[0, 1], res)
+  _plot_validation(ax[0, 2], res, gap=False)
+  _plot_speed(ax[1, 0], res)
+  _plot_train_gap(ax[1, 1], res)
+  _plot_validation(ax[1, 2], res, gap=True)
   fig.tight_layout()
   return fig
 
@@ -137,7 +140,8 @@ def _plot_gradients(ax, res):
     ls = "--" if k == 4 else "-"
     for kind, color in (("equal", "C3"), ("weighted", "C2")):
       err = [c["K"][str(k)][kind] for c in res["checks"]]
-      ax.plot(steps, err, color=color, ls=ls, label=f"{kind} weight, K={k}")
+      label = "equal weight" if kind == "equal" else "token weighted"
+      ax.plot(steps, err, color=color, ls=ls, label=f"{label}, K={k}")
   ax.set_yscale("log")
   ax.set_xlabel("step")
   ax.set_ylabel("relative gradient error vs full batch")
@@ -164,13 +168,26 @@ def _plot_train_gap(ax, res):
   ax.legend(fontsize=8)
 
 
-def _plot_validation(ax, res):
+def _plot_train(ax, res):
+  n = res["summary"]["tail_steps"]
   for name, r in res["runs"].items():
-    ax.plot(
-      r["val_steps"], r["val_loss"], marker=".", label=name, **_style(name)
-    )
+    ax.plot(_running_mean(r["train_loss"], n), label=name, **_style(name))
   ax.set_xlabel("step")
-  ax.set_ylabel("validation loss (nats/byte)")
+  ax.set_ylabel(f"train loss, nats/byte ({n}-step running mean)")
+  ax.legend(fontsize=8)
+
+
+def _plot_validation(ax, res, gap: bool):
+  ref = np.array(res["runs"]["full"]["val_loss"])
+  for name, r in res["runs"].items():
+    y = np.array(r["val_loss"]) - (ref if gap else 0.0)
+    if not (gap and name == "full"):
+      ax.plot(r["val_steps"], y, marker=".", label=name, **_style(name))
+  if gap:
+    ax.axhline(0.0, color="k", lw=0.6)
+  ax.set_xlabel("step")
+  what = "validation loss - full batch's" if gap else "validation loss"
+  ax.set_ylabel(what + " (nats/byte)")
   ax.legend(fontsize=8)
 
 
@@ -183,7 +200,7 @@ def _plot_speed(ax, res):
   x = np.arange(len(rows))
   colors = [_COLORS[r["method"]] for r in rows]
   ax.bar(x, [r["tokens_per_second"] for r in rows], color=colors, alpha=0.7)
-  ax.set_xticks(x, labels, fontsize=7)
+  ax.set_xticks(x, labels, fontsize=7, rotation=60)
   ax.set_ylabel("target tokens/s (bars)")
   twin = ax.twinx()
   twin.plot(x, [r["peak_bytes"] / 1e6 for r in rows], "ko", label="peak MB")
