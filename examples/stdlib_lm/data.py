@@ -133,7 +133,11 @@ class Corpus:
 
 
 def load_corpus(
-  seq_len: int, *, val_fraction: float = 0.1, root: str | None = None
+  seq_len: int,
+  *,
+  val_fraction: float = 0.1,
+  root: str | None = None,
+  sources: list[tuple[str, str]] | None = None,
 ) -> Corpus:
   """Reads, splits and cuts the standard library into rows.
 
@@ -141,13 +145,15 @@ def load_corpus(
     seq_len: targets per row.
     val_fraction: the share of files (by path hash) held out.
     root: the directory to read (default: the interpreter's stdlib).
+    sources: ``(path, text)`` pairs already read by :func:`stdlib_sources`
+      (then ``root`` is not read).
 
   Returns:
     The :class:`Corpus`.
   """
   split = {True: [], False: []}
   files = {True: 0, False: 0}
-  for rel, text in stdlib_sources(root):
+  for rel, text in sources or stdlib_sources(root):
     held_out = is_validation(rel, val_fraction)
     files[held_out] += 1
     split[held_out] += [encode(d) for d in split_documents(text)]

@@ -42,7 +42,9 @@ class Block(nnx.Module):
   def __init__(self, cfg: Config, rngs: nnx.Rngs):
     self.heads = cfg.heads
     self.ln1 = nnx.LayerNorm(cfg.dim, rngs=rngs)
-    self.qkv = nnx.Linear(cfg.dim, 3 * cfg.dim, rngs=rngs)
+    # No bias: a key bias cannot change the softmax, so its gradient is
+    # rounding noise that Adam would blow up to full-size updates.
+    self.qkv = nnx.Linear(cfg.dim, 3 * cfg.dim, use_bias=False, rngs=rngs)
     self.proj = nnx.Linear(cfg.dim, cfg.dim, rngs=rngs)
     self.ln2 = nnx.LayerNorm(cfg.dim, rngs=rngs)
     self.up = nnx.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim, rngs=rngs)
@@ -78,11 +80,17 @@ class ByteLM(nnx.Module):
 def init(cfg: Config, seed: int = 0):
   """A fresh model split into its graph and its params.
 
+  The params are created in one compiled call (eager initialisation would
+  compile every initialiser separately).
+
   Returns:
     ``(graphdef, params)``: ``params`` is an ``nnx.State`` of the
     ``nnx.Param`` leaves, the pytree every optimizer here works on.
   """
-  return nnx.split(ByteLM(cfg, nnx.Rngs(seed)), nnx.Param)
+  make = lambda: ByteLM(cfg, nnx.Rngs(seed))
+  graphdef, _ = nnx.split(nnx.eval_shape(make), nnx.Param)
+  params = jax.jit(lambda: nnx.split(make(), nnx.Param)[1])()
+  return graphdef, params
 
 
 def num_params(params) -> int:
