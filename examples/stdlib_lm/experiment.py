@@ -100,20 +100,24 @@ def _summary(checks: list[dict], runs: dict[str, dict], s: Settings) -> dict:
   return {"gradient_error": grads, "loss": losses, "tail_steps": tail}
 
 
-def run_all(s: Settings, *, speed: bool = True, log=print) -> dict[str, Any]:
+def run_all(
+  s: Settings, *, speed: bool = True, log=print, ex: Experiment | None = None
+) -> dict[str, Any]:
   """Runs every training run, the gradient checks and the speed table.
 
   Args:
     s: the settings.
     speed: also measure the tokens/s and compiled-memory table.
     log: called with one progress line at a time.
+    ex: an :class:`Experiment` of these settings to reuse (its corpus and
+      compiled steps); by default a new one.
 
   Returns:
     The results, JSON-ready.
   """
   start = time.perf_counter()
   info = machine()
-  ex = Experiment(s)
+  ex = ex or Experiment(s)
   log(f"corpus read; {model.num_params(ex.params0):,} params")
   checks = []
 
