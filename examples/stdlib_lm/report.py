@@ -72,6 +72,13 @@ def _cell(g: dict, kind: str) -> str:
   return f"{g[kind + '_median']:.2e} ({g[kind + '_max']:.2e})"
 
 
+def _num(x: float, sign: str = "+") -> str:
+  """Fixed point, or scientific below 1e-3 (rounding-sized gaps)."""
+  if x == 0 or abs(x) >= 1e-3:
+    return f"{x:{sign}.4f}"
+  return f"{x:{sign}.1e}"
+
+
 def _loss_table(res) -> list[str]:
   tail = res["summary"]["tail_steps"]
   lines = [
@@ -86,9 +93,9 @@ def _loss_table(res) -> list[str]:
   ]
   for name, r in res["summary"]["loss"].items():
     lines.append(
-      f"| {name} | {r['final_val_loss']:.4f} | {r['val_gap']:+.4f} | "
-      f"{r['final_train_loss']:.4f} | {r['train_gap']:+.4f} | "
-      f"{r['max_abs_train_diff']:.4f} |"
+      f"| {name} | {r['final_val_loss']:.4f} | {_num(r['val_gap'])} | "
+      f"{r['final_train_loss']:.4f} | {_num(r['train_gap'])} | "
+      f"{_num(r['max_abs_train_diff'], sign='')} |"
     )
   return lines + [""]
 
@@ -99,7 +106,9 @@ def _speed_table(res) -> list[str]:
   lines = [
     "## Throughput and compiled memory",
     "",
-    "Target tokens/s: median of interleaved warm global steps. Memory: XLA "
+    "Target tokens/s: median of interleaved warm global steps (on a shared "
+    "machine, compare them with the load average in mind; the memory "
+    "figures are deterministic). Memory: XLA "
     "`memory_analysis` of the compiled call (one microbatch's call for the "
     "across-step wrappers, the whole step otherwise); peak = arguments + "
     "outputs - aliased + temporaries.",
