@@ -164,10 +164,12 @@ class Runner:
     elif method == "weighted":
       self.tx = wa.WeightedMultiSteps(tx, every_k_schedule=k, mode="mean")
       self._step = micro_step(ex, self.tx, weighted=True)
+    elif method == "instep":
+      self.tx, self._step = tx, instep_step(ex, tx, k)
+    elif method == "full":
+      self.tx, self._step = tx, full_step(ex, tx)
     else:
-      self.tx = tx
-      make = full_step if method == "full" else instep_step
-      self._step = make(ex, tx) if method == "full" else make(ex, tx, k)
+      raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
   @property
   def micro(self) -> bool:
