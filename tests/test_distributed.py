@@ -1,4 +1,4 @@
-"""Data parallelism: exact global weighting across replicas (issue 6).
+"""Data parallelism: exact global weighting across replicas.
 
 Every equivalence is against an independent reference: the single-device
 full-batch gradient of the window's mean loss over the concatenated data
