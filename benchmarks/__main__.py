@@ -104,9 +104,9 @@ def run_family(name: str, cfg, out_dir: Path, command: str, allocator: str):
   from benchmarks import report
 
   mod = importlib.import_module(f"benchmarks.{name.replace('-', '_')}")
+  meta = report.run_meta(command, allocator, cfg)  # the start time
   load0, t0, cpu0 = report.load_average(), time.perf_counter(), _cpu_s()
   result = mod.run(cfg)
-  meta = report.run_meta(command, allocator, cfg)
   meta.update(
     family=name,
     seconds=time.perf_counter() - t0,

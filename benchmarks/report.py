@@ -134,7 +134,7 @@ def header(meta: dict[str, Any], title: str) -> list[str]:
     f"{meta['machine']}; {meta['backend']} ({meta['device_kind']}, "
     f"{meta['devices']} devices); weighted_accum {v['weighted_accum']}, "
     f"jax {v['jax']}, optax {v['optax']}, flax {v['flax']}; "
-    f"{meta['timestamp']}; load average {load}; allocator "
+    f"started {meta['timestamp']}; load average {load}; allocator "
     f"{meta['allocator']}; `{meta['command']}` ({meta['mode']} sizes, "
     f"{meta['seconds']:.0f} s, {meta.get('cpu_seconds', float('nan')):.0f} "
     "s CPU).",
