@@ -43,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--smoke",
     action="store_true",
-    help="tiny sizes, seconds: a plumbing check (writes to a temporary "
-    "folder unless --out)",
+    help="every family at tiny sizes, about a minute: a plumbing check "
+    "(writes to a temporary folder unless --out)",
   )
   p.add_argument(
     "--full",

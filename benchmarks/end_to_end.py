@@ -25,7 +25,7 @@ TITLE = "End to end: one window of an NNX transformer"
 K = 8  # microbatches per window
 CONFIGS = {
   "smoke": dict(vocab=128, dim=32, layers=1, heads=2, rows=2, seq=16),
-  "default": dict(vocab=4096, dim=256, layers=4, heads=4, rows=4, seq=128),
+  "default": dict(vocab=4096, dim=256, layers=4, heads=4, rows=2, seq=128),
   "full": dict(vocab=8192, dim=512, layers=4, heads=8, rows=8, seq=128),
 }
 tmap = jax.tree.map
