@@ -74,7 +74,7 @@ def cases(shapes: Any, gdtype: Any) -> list[h.Case]:
     ),
     h.Case(
       "step_core",
-      "functional API (params, opt state passed through)",
+      "functional API (accumulate_mean)",
       jax.jit(_core_step, donate_argnums=0),
       h.fresh_copy((params, inner.init(params), wa.init(params))),
       (grads, w),
