@@ -100,7 +100,7 @@ def cases(cfg: dict, other_k: bool = False):
   rows = cfg["rows"]
   tokens, lengths, n_tok = lm.token_batch(cfg, rows, cfg["seq"], seed=0)
   wa_k = lambda k: jax.jit(
-    wa.microbatched_value_and_grad(losses, k, batch_argnums=(1, 2))
+    wa.microbatched_value_and_grad(losses, k, mode="sum", batch_argnums=(1, 2))
   )
   variants = [
     (BASE, f"hand-written lax.scan, K={K}", _hand_scan(losses, K)),
@@ -226,14 +226,16 @@ def all_reduce_counts(cfg: dict) -> dict:
   )
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   f = wa.microbatched_value_and_grad(
-    losses, K, batch_argnums=(1, 2), axis_name="data"
+    losses, K, mode="sum", batch_argnums=(1, 2), axis_name="data"
   )
   sm = jax.jit(
     jax.shard_map(
       f, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
     )
   )
-  imp = jax.jit(wa.microbatched_value_and_grad(losses, K, batch_argnums=(1, 2)))
+  imp = jax.jit(
+    wa.microbatched_value_and_grad(losses, K, mode="sum", batch_argnums=(1, 2))
+  )
   data = [
     jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (tokens, lengths)
   ]
