@@ -52,7 +52,17 @@ KINDS = (
   "collective-permute",
 )
 
-__all__ = ["KINDS", "Collective", "HloStats", "hlo_stats", "shape_bytes"]
+__all__ = [
+  "KINDS",
+  "Collective",
+  "HloStats",
+  "all_reduced_bytes",
+  "hlo_stats",
+  "mesh_groups",
+  "parse_replica_groups",
+  "shape_bytes",
+  "tree_bytes",
+]
 
 # Bits per element of each HLO primitive type.
 _BITS = {
@@ -230,20 +240,134 @@ def _operand_name(op: str) -> str:
   return op.split()[-1].lstrip("%")
 
 
-def _group_size(attrs: dict[str, str], everyone: int | None) -> int | None:
-  """Devices per replica group (``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]``);
-  an empty list means every device."""
+def _iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """``[G,S]<=[d0,d1,...]T(p0,p1,...)``: ``iota(prod d).reshape(d)``,
+  transposed by ``p``, flattened and cut into G groups of S."""
+  m = re.fullmatch(
+    r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip()
+  )
+  if not m:
+    raise ValueError(f"unreadable replica_groups {text!r}")
+  shape = [int(v) for v in m.group(1).split(",")]
+  dims = [int(v) for v in m.group(2).split(",")]
+  ids = list(range(math.prod(dims)))
+  if m.group(3):
+    perm = [int(v) for v in m.group(3).split(",")]
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+    tdims = [dims[q] for q in perm]
+    out = []
+    for flat in range(len(ids)):
+      rem, idx = flat, []
+      for d in reversed(tdims):
+        idx.append(rem % d)
+        rem //= d
+      idx.reverse()  # index into the transposed array
+      out.append(sum(idx[k] * strides[perm[k]] for k in range(len(perm))))
+    ids = out
+  size = shape[-1]
+  return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
+
+
+def _mesh_axes_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """``mesh['a'=4,'b'=2] {'a'}``: the groups of a reduction over the listed
+  axes of that mesh, devices numbered in mesh order. A sub-axis
+  ``'a':(p)s`` is the size-``s`` factor of axis ``a`` above its innermost
+  ``p`` (the axis read as ``[n / (p s), s, p]``)."""
+  m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^{}]*)\}", text.strip())
+  if not m:
+    raise ValueError(f"unreadable replica_groups {text!r}")
+  sizes = {}
+  for item in m.group(1).split(","):
+    name, _, size = item.partition("=")
+    sizes[name.strip().strip("'")] = int(size)
+  # Each mesh axis split into (outer, sub, inner) factors where needed.
+  factors, axes = {}, []
+  for item in m.group(2).split(","):
+    item = item.strip()
+    if not item:
+      continue
+    sm = re.fullmatch(r"'([^']*)'(?::\((\d+)\)(\d+))?", item)
+    if not sm:
+      raise ValueError(f"unreadable replica_groups {text!r}")
+    name = sm.group(1)
+    pre, size = (
+      (int(sm.group(2)), int(sm.group(3)))
+      if sm.group(2)
+      else (
+        1,
+        sizes[name],
+      )
+    )
+    factors[name] = (sizes[name] // (pre * size), size, pre)
+    axes.append(f"{name}#sub")
+  flat = {}
+  for name, n in sizes.items():
+    if name in factors:
+      outer, sub, inner = factors[name]
+      flat[f"{name}#outer"], flat[f"{name}#sub"] = outer, sub
+      flat[f"{name}#inner"] = inner
+    else:
+      flat[name] = n
+  groups = mesh_groups(flat, tuple(axes))
+  return tuple(tuple(sorted(g)) for g in sorted(groups, key=min))
+
+
+def parse_replica_groups(
+  text: str, num_devices: int
+) -> tuple[tuple[int, ...], ...]:
+  """The device ids of each group of a ``replica_groups=`` value: the list
+  form ``{{0,1},{2,3}}`` (``{}``: all ``num_devices``), the iota form
+  ``[2,2]<=[4]`` or the mesh-axes form ``mesh['a'=2,'b'=2] {'a'}``."""
+  return _replica_groups({"replica_groups": text}, num_devices)
+
+
+def _replica_groups(
+  attrs: dict[str, str], everyone: int
+) -> tuple[tuple[int, ...], ...] | None:
+  """The device ids of each replica group (``{{0,1},{2,3}}`` or the iota
+  form ``[2,2]<=[4]``); an empty list means every device. None for a
+  collective-permute (``source_target_pairs`` instead)."""
   groups = attrs.get("replica_groups")
-  if groups is None:  # collective-permute: source_target_pairs instead
+  if groups is None:
     return None
   groups = groups.strip()
-  if groups.startswith("["):  # iota form: [num_groups, group_size]<=[...]
-    dims = groups[1 : groups.index("]")].split(",")
-    return int(dims[-1])
+  if groups.startswith("["):
+    return _iota_groups(groups)
+  if groups.startswith("mesh["):
+    return _mesh_axes_groups(groups)
   inner = re.findall(r"\{([^{}]*)\}", groups)
   if not inner or not inner[0].strip():
-    return everyone
-  return len(inner[0].split(","))
+    return (tuple(range(everyone)),)
+  return tuple(tuple(int(v) for v in g.split(",")) for g in inner)
+
+
+def mesh_groups(mesh: Any, axes: str | tuple[str, ...]) -> frozenset:
+  """The replica groups of a reduction over ``axes`` of ``mesh`` (a
+  ``jax.sharding.Mesh`` or a dict of axis sizes in mesh order): sets of
+  device positions in the mesh's flattened device array, which are the
+  partition ids of a program jitted over that mesh. Compare with
+  :attr:`Collective.groups` (or pass as ``groups=`` to the counts)."""
+  sizes = dict(mesh.shape) if hasattr(mesh, "shape") else dict(mesh)
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  names = list(sizes)
+  unknown = [a for a in axes if a not in sizes]
+  if unknown:
+    raise ValueError(f"axes {unknown} not in the mesh's {names}")
+  strides = {
+    a: math.prod(sizes[b] for b in names[i + 1 :]) for i, a in enumerate(names)
+  }
+  kept = [a for a in names if a not in axes]
+  groups = set()
+  for outer in range(math.prod(sizes[a] for a in kept)):
+    base, rem = 0, outer
+    for a in reversed(kept):
+      base += (rem % sizes[a]) * strides[a]
+      rem //= sizes[a]
+    members = [base]
+    for a in axes:
+      members = [m + j * strides[a] for m in members for j in range(sizes[a])]
+    groups.add(frozenset(members))
+  return frozenset(groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +380,8 @@ class Collective:
     computation: the computation holding it.
     nbytes: its operands' bytes per device, for one execution.
     executions: how many times it runs per step.
-    group_size: devices per replica group (None where not stated).
+    replica_groups: the device ids of each replica group (None for a
+      collective-permute).
   """
 
   kind: str
@@ -264,7 +389,20 @@ class Collective:
   computation: str
   nbytes: int
   executions: int
-  group_size: int | None
+  replica_groups: tuple[tuple[int, ...], ...] | None
+
+  @property
+  def group_size(self) -> int | None:
+    """Devices per replica group (None for a collective-permute)."""
+    return len(self.replica_groups[0]) if self.replica_groups else None
+
+  @property
+  def groups(self) -> frozenset | None:
+    """The replica groups as a set of sets (compare with
+    :func:`mesh_groups`)."""
+    if self.replica_groups is None:
+      return None
+    return frozenset(frozenset(g) for g in self.replica_groups)
 
   def ring_bytes(self) -> float:
     """Bytes each device sends per execution with a ring algorithm over
@@ -298,32 +436,49 @@ class HloStats:
   fusions: dict[str, tuple[int, int]]
   loops: dict[str, int]
 
-  def _select(self, kind: str | None) -> list[Collective]:
+  def select(
+    self, kind: str | None = None, groups: frozenset | None = None
+  ) -> list[Collective]:
+    """The collectives of ``kind`` (default: every kind) whose replica
+    groups are ``groups`` (default: any; see :func:`mesh_groups`)."""
     if kind is not None and kind not in KINDS:
       raise ValueError(f"unknown collective kind {kind!r}; one of {KINDS}")
-    return [c for c in self.collectives if kind in (None, c.kind)]
+    return [
+      c
+      for c in self.collectives
+      if kind in (None, c.kind) and groups in (None, c.groups)
+    ]
 
-  def count(self, kind: str | None = None) -> int:
-    """Collectives of ``kind`` (default: all kinds) executed per step."""
-    return sum(c.executions for c in self._select(kind))
+  def count(self, kind: str | None = None, groups: frozenset | None = None):
+    """Collectives of ``kind`` over ``groups`` (default: all) executed per
+    step."""
+    return sum(c.executions for c in self.select(kind, groups))
 
-  def nbytes(self, kind: str | None = None) -> int:
+  def nbytes(self, kind: str | None = None, groups: frozenset | None = None):
     """Their operand bytes per device per step."""
-    return sum(c.executions * c.nbytes for c in self._select(kind))
+    return sum(c.executions * c.nbytes for c in self.select(kind, groups))
 
-  def static_count(self, kind: str | None = None) -> int:
+  def static_count(
+    self, kind: str | None = None, groups: frozenset | None = None
+  ) -> int:
     """Collective instructions of ``kind`` in the program (each once)."""
-    return len({(c.computation, c.name) for c in self._select(kind)})
+    return len({(c.computation, c.name) for c in self.select(kind, groups)})
 
-  def in_loops(self, kind: str | None = None) -> int:
+  def in_loops(
+    self, kind: str | None = None, groups: frozenset | None = None
+  ) -> int:
     """Collectives of ``kind`` executed per step by instructions that run
     more than once per step (inside a loop)."""
-    return sum(c.executions for c in self._select(kind) if c.executions > 1)
+    return sum(
+      c.executions for c in self.select(kind, groups) if c.executions > 1
+    )
 
-  def ring_bytes(self, kind: str | None = None) -> float:
+  def ring_bytes(
+    self, kind: str | None = None, groups: frozenset | None = None
+  ) -> float:
     """Bytes each device sends per step with ring algorithms (see
     :meth:`Collective.ring_bytes`)."""
-    return sum(c.executions * c.ring_bytes() for c in self._select(kind))
+    return sum(c.executions * c.ring_bytes() for c in self.select(kind, groups))
 
   def executed_fusions(self) -> int:
     """Fusion instructions executed per step."""
@@ -340,7 +495,7 @@ class HloStats:
         static=self.static_count(k),
       )
       for k in KINDS
-      if self._select(k)
+      if self.select(k)
     }
     out["executed_fusions"] = self.executed_fusions()
     out["loops"] = dict(self.loops)
@@ -424,7 +579,7 @@ class _Walker:
             self._operand_bytes(comp, ins),
             0,
             kind,
-            _group_size(ins.attrs, self.everyone),
+            _replica_groups(ins.attrs, self.everyone),
           ],
         )
         rec[1] += runs
@@ -497,11 +652,19 @@ def hlo_stats(
   return HloStats(collectives, fusions, dict(w.loops))
 
 
-def all_reduced_bytes(compiled: Any, **kwargs: Any) -> int:
+def all_reduced_bytes(
+  compiled: Any, groups: frozenset | None = None, **kwargs: Any
+) -> int:
   """Shorthand: all-reduce plus reduce-scatter operand bytes per device
-  per step (what a gradient reduction moves, either way)."""
-  s = hlo_stats(compiled, **kwargs)
-  return s.nbytes("all-reduce") + s.nbytes("reduce-scatter")
+  per step over ``groups`` (default: any; see :func:`mesh_groups`), what a
+  gradient reduction moves either way. ``kwargs`` go to
+  :func:`hlo_stats`."""
+  s = (
+    compiled
+    if isinstance(compiled, HloStats)
+    else hlo_stats(compiled, **kwargs)
+  )
+  return s.nbytes("all-reduce", groups) + s.nbytes("reduce-scatter", groups)
 
 
 def tree_bytes(tree: Any) -> int:

@@ -321,3 +321,68 @@ def test_async_forms_count_once():
 def test_unknown_kind_is_refused():
   with pytest.raises(ValueError, match="unknown collective kind"):
     hlo.hlo_stats(ASYNC).count("all_reduce")
+
+
+def test_iota_replica_groups_match_numpy():
+  """``[G,S]<=[dims]T(perm)`` is iota(dims).transpose(perm) in G rows."""
+  for text, dims, perm, shape in [
+    ("[2,4]<=[8]", (8,), None, (2, 4)),
+    ("[4,2]<=[2,4]T(1,0)", (2, 4), (1, 0), (4, 2)),
+    ("[2,6]<=[2,3,2]T(2,0,1)", (2, 3, 2), (2, 0, 1), (2, 6)),
+  ]:
+    ids = np.arange(np.prod(dims)).reshape(dims)
+    if perm is not None:
+      ids = ids.transpose(perm)
+    want = tuple(tuple(int(v) for v in row) for row in ids.reshape(shape))
+    got = hlo.parse_replica_groups(text, 0)
+    assert got == want, text
+
+
+def test_groups_tell_the_axes_apart():
+  """On a 4 x 2 (data, model) mesh, a psum over 'data' runs in the groups
+  of devices sharing a model index, one over 'model' in the others."""
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()).reshape(4, 2), ("data", "model")
+  )
+  pos = np.arange(N).reshape(4, 2)  # device positions in the mesh
+  over_data = frozenset(frozenset(int(v) for v in pos[:, j]) for j in range(2))
+  over_model = frozenset(frozenset(int(v) for v in pos[i]) for i in range(4))
+  assert hlo.mesh_groups(mesh, "data") == over_data
+  assert hlo.mesh_groups(mesh, ("model",)) == over_model
+  assert hlo.mesh_groups(mesh, ("data", "model")) == {frozenset(range(N))}
+
+  def f(x, y):  # x: [3] per device, y: [5] per device
+    return jax.lax.psum(x, "data"), jax.lax.psum(y, "model")
+
+  c = _compile(
+    mesh,
+    f,
+    jnp.ones((4 * 3, 2)),
+    jnp.ones((4, 2 * 5)),
+    in_specs=(P("data", "model"), P("data", "model")),
+    out_specs=(P(None, "model"), P("data", None)),
+  )
+  s = hlo.hlo_stats(c)
+  assert s.nbytes("all-reduce", over_data) == 3 * F32
+  assert s.nbytes("all-reduce", over_model) == 5 * F32
+  assert hlo.all_reduced_bytes(s, over_data) == 3 * F32
+
+
+def test_mesh_axes_replica_groups():
+  """The partitioner's form ``mesh[...] {axes}``: on a 4 x 2 mesh, a
+  replicated weight's gradient is all-reduced over 'data' alone."""
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()).reshape(4, 2), ("data", "model")
+  )
+  w = jax.device_put(jnp.ones((5, 3)), NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((N * 4, 5)), NamedSharding(mesh, P("data")))
+  c = jax.jit(jax.grad(lambda w, x: jnp.sum(x @ w))).lower(w, x).compile()
+  assert "replica_groups=mesh[" in c.as_text()
+  s = hlo.hlo_stats(c)
+  assert s.nbytes("all-reduce", hlo.mesh_groups(mesh, "data")) == 15 * F32
+  assert s.nbytes("all-reduce") == 15 * F32
+  # A sub-axis 'x':(2)2 of an axis of 8 is the middle factor of [2, 2, 2].
+  ids = np.arange(8).reshape(2, 2, 2)
+  want = {tuple(int(v) for v in ids[i, :, j]) for i in range(2) for j in (0, 1)}
+  got = hlo.parse_replica_groups("mesh['x'=8] {'x':(2)2}", 8)
+  assert set(got) == want
