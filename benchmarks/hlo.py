@@ -268,21 +268,37 @@ def _iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
 
 
+def _device_order(spec: str, total: int) -> list[int]:
+  """The device ids in mesh order from a ``device_ids=`` value: the iota
+  form ``[4,2]T(1,0)`` (``iota(8).reshape(4, 2).T``, flattened) or a list
+  ``0,2,4,...``."""
+  spec = spec.strip()
+  if spec.startswith("["):
+    dims, _, rest = spec[1:].partition("]")
+    (order,) = _iota_groups(f"[1,{total}]<=[{dims}]{rest}")
+    return list(order)
+  return [int(v) for v in spec.split(",")]
+
+
 def _mesh_axes_groups(text: str) -> tuple[tuple[int, ...], ...]:
-  """``mesh['a'=4,'b'=2] {'a'}``: the groups of a reduction over the listed
-  axes of that mesh, devices numbered in mesh order. A sub-axis
-  ``'a':(p)s`` is the size-``s`` factor of axis ``a`` above its innermost
-  ``p`` (the axis read as ``[n / (p s), s, p]``)."""
-  m = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^{}]*)\}", text.strip())
+  """``mesh['a'=4,'b'=2] {'a'}`` (optionally ``mesh[...], device_ids=(...)
+  {...}``): the groups of a reduction over the listed axes of that mesh,
+  devices numbered in mesh order (or as ``device_ids`` lists them). A
+  sub-axis ``'a':(p)s`` is the size-``s`` factor of axis ``a`` above its
+  innermost ``p`` (the axis read as ``[n / (p s), s, p]``)."""
+  m = re.fullmatch(
+    r"mesh\[([^\]]*)\](?:\s*,\s*device_ids=\((.*)\))?\s*\{([^{}]*)\}",
+    text.strip(),
+  )
   if not m:
     raise ValueError(f"unreadable replica_groups {text!r}")
   sizes = {}
   for item in m.group(1).split(","):
     name, _, size = item.partition("=")
     sizes[name.strip().strip("'")] = int(size)
-  # Each mesh axis split into (outer, sub, inner) factors where needed.
+  # Each reduced axis split into (outer, sub, inner) factors.
   factors, axes = {}, []
-  for item in m.group(2).split(","):
+  for item in m.group(3).split(","):
     item = item.strip()
     if not item:
       continue
@@ -290,14 +306,10 @@ def _mesh_axes_groups(text: str) -> tuple[tuple[int, ...], ...]:
     if not sm:
       raise ValueError(f"unreadable replica_groups {text!r}")
     name = sm.group(1)
-    pre, size = (
-      (int(sm.group(2)), int(sm.group(3)))
-      if sm.group(2)
-      else (
-        1,
-        sizes[name],
-      )
-    )
+    if sm.group(2):
+      pre, size = int(sm.group(2)), int(sm.group(3))
+    else:
+      pre, size = 1, sizes[name]
     factors[name] = (sizes[name] // (pre * size), size, pre)
     axes.append(f"{name}#sub")
   flat = {}
@@ -308,8 +320,14 @@ def _mesh_axes_groups(text: str) -> tuple[tuple[int, ...], ...]:
       flat[f"{name}#inner"] = inner
     else:
       flat[name] = n
-  groups = mesh_groups(flat, tuple(axes))
-  return tuple(tuple(sorted(g)) for g in sorted(groups, key=min))
+  total = math.prod(sizes.values())
+  order = (
+    list(range(total))
+    if m.group(2) is None
+    else _device_order(m.group(2), total)
+  )
+  groups = [sorted(order[i] for i in g) for g in mesh_groups(flat, tuple(axes))]
+  return tuple(tuple(g) for g in sorted(groups))
 
 
 def parse_replica_groups(
@@ -334,6 +352,8 @@ def _replica_groups(
   if groups.startswith("["):
     return _iota_groups(groups)
   if groups.startswith("mesh["):
+    if "device_ids" in attrs:  # split off at the comma by the attribute reader
+      groups = f"{groups}, device_ids={attrs['device_ids']}"
     return _mesh_axes_groups(groups)
   inner = re.findall(r"\{([^{}]*)\}", groups)
   if not inner or not inner[0].strip():

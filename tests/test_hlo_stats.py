@@ -386,3 +386,26 @@ def test_mesh_axes_replica_groups():
   want = {tuple(int(v) for v in ids[i, :, j]) for i in range(2) for j in (0, 1)}
   got = hlo.parse_replica_groups("mesh['x'=8] {'x':(2)2}", 8)
   assert set(got) == want
+
+
+def test_mesh_axes_with_device_order():
+  """``mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}`` (as the
+  partitioner prints a reduction over 'model' of a 4 x 2 mesh): the mesh's
+  devices are iota(8).reshape(4, 2).T flattened, [0,2,4,6,1,3,5,7], laid
+  out as 2 x 4 and reduced over the first axis."""
+  text = (
+    "HloModule m, num_partitions=8\n\n"
+    "%add (a: f32[], b: f32[]) -> f32[] {\n"
+    "  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
+    "  ROOT %s = f32[] add(%a, %b)\n}\n\n"
+    "ENTRY %main (p: f32[3]) -> f32[3] {\n"
+    "  %p = f32[3]{0} parameter(0)\n"
+    "  ROOT %r = f32[3]{0} all-reduce(%p), channel_id=1, "
+    "replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, "
+    "use_global_device_ids=true, to_apply=%add\n}\n"
+  )
+  devs = np.arange(8).reshape(4, 2).T.reshape(2, 4)
+  want = {frozenset(int(v) for v in devs[:, j]) for j in range(4)}
+  (op,) = hlo.hlo_stats(text).collectives
+  assert op.groups == want == {frozenset((2 * i, 2 * i + 1)) for i in range(4)}
+  assert op.nbytes == 3 * F32
