@@ -5,11 +5,15 @@ the sharding tests.
 """
 
 import os
+import pathlib
+import sys
 
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# examples/ holds importable example modules (the tiny LM of the tests).
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "examples"))
 
 from hypothesis import settings  # noqa: E402  pylint: disable=g-import-not-at-top
 

@@ -73,10 +73,7 @@ except ImportError:  # pragma: no cover
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import weighted_accum as wa
 
-try:
-  from weighted_accum.transform import weighted_multi_steps
-except ImportError:  # The wrapper is not built yet: its cases are skipped.
-  weighted_multi_steps = None
+weighted_multi_steps = wa.weighted_multi_steps
 
 M = 2**20
 # glibc settings that stop XLA:CPU's per-call temporaries from being mmapped and
@@ -343,7 +340,7 @@ def group_cases(
     )
   )
   if weighted_multi_steps is not None:
-    tx_wa = weighted_multi_steps(_inner(), NEVER)
+    tx_wa = weighted_multi_steps(_inner(), NEVER, mode="mean")
     cases.append(
       Case(
         "step_wrapper",
@@ -520,7 +517,7 @@ def close_cases(shapes: Any) -> list[Case]:
     ),
   ]
   if weighted_multi_steps is not None:
-    tx = weighted_multi_steps(_inner(), None)
+    tx = weighted_multi_steps(_inner(), None, mode="mean")
 
     def close(state, g, w):
       params, opt_state = state
@@ -616,7 +613,7 @@ def compile_figures(n_layers: int, runs: int) -> dict[str, Any]:
   w = jnp.float32(2.0)
   txs = {
     "multisteps": lambda: optax.MultiSteps(_inner(), 4),
-    "wrapper": lambda: weighted_multi_steps(_inner(), 4),
+    "wrapper": lambda: weighted_multi_steps(_inner(), 4, mode="mean"),
   }
   times: dict[str, list[float]] = {k: [] for k in txs}
   rng = np.random.default_rng(0)
@@ -647,7 +644,7 @@ def compile_figures(n_layers: int, runs: int) -> dict[str, Any]:
     ),
   }
   if weighted_multi_steps is not None:
-    tx_wa = weighted_multi_steps(_inner(), 2)
+    tx_wa = weighted_multi_steps(_inner(), 2, mode="mean")
     counts["wrapper step (tx.init)"] = compiles(
       _train_step(tx_wa, True), (_copy(params), tx_wa.init(params)), grads, w
     )
@@ -910,7 +907,7 @@ def e2e(cfg: dict, args) -> dict:
     "e2e_hand_loop": max(micro_temp, last_temp),
   }
   if weighted_multi_steps is not None:
-    tx_wa = weighted_multi_steps(_inner(), k)
+    tx_wa = weighted_multi_steps(_inner(), k, mode="mean")
     wa_state = _copy((params, tx_wa.init(params)))
     wa_step, temps["e2e_wrapper"] = compiled(
       opt_step(tx_wa, mean_loss, True), wa_state, *batches[0]
@@ -1108,7 +1105,7 @@ def microbatch_bench(cfg: dict, args, k: int = 8) -> dict:
   tokens, lengths, n_tok = _micro_data(cfg, rows)
   data = (tokens, lengths)
   wa_f = lambda kk: jax.jit(
-    wa.microbatched_value_and_grad(losses, kk, batch_argnums=(1, 2))
+    wa.microbatched_value_and_grad(losses, kk, batch_argnums=(1, 2), mode="sum")
   )
   hand = "mb_hand_scan"
   cases = [
@@ -1236,14 +1233,16 @@ def all_reduce_counts(cfg: dict, k: int) -> dict:
   tokens, lengths, _ = _micro_data(cfg, k * n)
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
   f = wa.microbatched_value_and_grad(
-    losses, k, batch_argnums=(1, 2), axis_name="data"
+    losses, k, batch_argnums=(1, 2), axis_name="data", mode="sum"
   )
   sm = jax.jit(
     jax.shard_map(
       f, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
     )
   )
-  imp = jax.jit(wa.microbatched_value_and_grad(losses, k, batch_argnums=(1, 2)))
+  imp = jax.jit(
+    wa.microbatched_value_and_grad(losses, k, batch_argnums=(1, 2), mode="sum")
+  )
   rep = NamedSharding(mesh, P())
   data = [
     jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (tokens, lengths)

@@ -161,7 +161,7 @@ def optax_tx():
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
 
   return wa.weighted_multi_steps(
-    optax.adamw(1e-2, weight_decay=0.1), every_k=OPTAX_K
+    optax.adamw(1e-2, weight_decay=0.1), every_k_schedule=OPTAX_K, mode="mean"
   )
 
 

@@ -118,7 +118,9 @@ def test_restored_state_step_compiles_once(template, placement):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_wrapper_step_compiles_once(placement):
   params = _params(placement)
-  tx = wa.weighted_multi_steps(optax.adamw(1e-3), every_k=2)
+  tx = wa.weighted_multi_steps(
+    optax.adamw(1e-3), every_k_schedule=2, mode="mean"
+  )
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state):

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import toy_lm as toy
 
 from _helpers import rel_err
 from _helpers import row_splits
 import weighted_accum as wa
-from weighted_accum import toy
 
 BATCH = toy.make_dataset(num_sequences=12, max_len=16, seed=3)
 MODEL = toy.TinyLM(dim=16, heads=2, max_len=16, rngs=nnx.Rngs(0))

@@ -28,8 +28,8 @@ import pytest
 
 import _dp_common as common
 import weighted_accum as wa
-from weighted_accum import _tree
 from weighted_accum import distributed as dist
+from weighted_accum._src import tree_utils as _tree
 
 R = 8  # replicas on the 8-device CPU mesh
 K = 3  # microbatches per window
@@ -785,7 +785,7 @@ def test_optax_wrapper_multi_device_equals_single_device(style, mode):
       lambda s: NamedSharding(mesh, s), _model_sharded_specs()
     )
     p = jax.device_put(params, p_sh)
-    tx = wa.weighted_multi_steps(_sgd(), every_k=K, mode=mode)
+    tx = wa.weighted_multi_steps(_sgd(), every_k_schedule=K, mode=mode)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p, opt_state, x, y, m):
@@ -797,7 +797,9 @@ def test_optax_wrapper_multi_device_equals_single_device(style, mode):
   else:
     mesh = _mesh1d()
     p = jax.device_put(params, NamedSharding(mesh, P()))
-    tx = wa.weighted_multi_steps(_sgd(), every_k=K, mode=mode, axis_name="data")
+    tx = wa.weighted_multi_steps(
+      _sgd(), every_k_schedule=K, mode=mode, axis_name="data"
+    )
 
     def body(p, opt_state, x, y, m):
       g = dist.local_grad(f, "data")(p, x[0], y[0], m[0])

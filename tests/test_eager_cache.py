@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import weighted_accum as wa
-from weighted_accum import _accum
-from weighted_accum import _validation_cache
+from weighted_accum._src import accumulation
+from weighted_accum._src import eager_cache
 
 PARAMS = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
 
@@ -26,14 +26,14 @@ def _grads(scale=1.0):
 def walks(monkeypatch):
   """Counts the full structural checks the core runs."""
   calls = []
-  real = _accum.check_microbatch
+  real = accumulation.check_structure
 
   def counting(*args, **kwargs):
-    calls.append(args[3])
+    calls.append(args[2])
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(_accum, "check_microbatch", counting)
-  monkeypatch.setattr(_validation_cache, "_VALIDATED", {})
+  monkeypatch.setattr(accumulation, "check_structure", counting)
+  monkeypatch.setattr(eager_cache, "_VALIDATED", {})
   return calls
 
 
@@ -132,4 +132,4 @@ def test_under_jit_nothing_is_cached(walks):
   step = jax.jit(wa.accumulate_sum)
   state = step(wa.init(PARAMS), _grads(), 1.0)
   state = step(state, _grads(), 2.0)
-  assert len(walks) == 1 and not _validation_cache._VALIDATED  # pylint: disable=protected-access
+  assert len(walks) == 1 and not eager_cache._VALIDATED  # pylint: disable=protected-access

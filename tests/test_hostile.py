@@ -650,7 +650,9 @@ def test_from_buffers_refuses_counters_it_would_store_otherwise(
 def test_work_dtype_accepted_or_named(dtype, ok):
   for build in (
     lambda d: wa.init(PARAMS, dtype=d),
-    lambda d: wa.weighted_multi_steps(optax.sgd(1.0), 2, dtype=d),
+    lambda d: wa.weighted_multi_steps(
+      optax.sgd(1.0), 2, accumulator_dtype=d, mode="mean"
+    ),
   ):
     if ok:
       build(dtype)
@@ -685,17 +687,17 @@ def test_static_flags_refuse_non_bools(flag):
 )
 def test_every_k_accepted_or_named(every_k, ok):
   if ok:
-    tx = wa.weighted_multi_steps(optax.sgd(1.0), every_k)
+    tx = wa.weighted_multi_steps(optax.sgd(1.0), every_k, mode="mean")
     _, s = tx.update(GRADS, tx.init(PARAMS), PARAMS, weight=1)
     assert bool(wa.has_updated(s)) == (int(every_k) == 1)
   else:
     with pytest.raises(Error, match="every_k"):
-      wa.weighted_multi_steps(optax.sgd(1.0), every_k)
+      wa.weighted_multi_steps(optax.sgd(1.0), every_k, mode="mean")
 
 
 # ----------------------------------------------------------------- wrapper --
 
-TX = wa.weighted_multi_steps(optax.sgd(1.0), 2)
+TX = wa.weighted_multi_steps(optax.sgd(1.0), 2, mode="mean")
 TX_STATE = TX.init(PARAMS)
 J_TX_UPDATE = jax.jit(lambda g, s, p, w: TX.update(g, s, p, weight=w))
 
@@ -741,12 +743,12 @@ def test_wrapper_constructor_loss_scale_stored_or_refused(pair):
     return
   ref = reference(obj)
   if scale_ok(ref):
-    tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, loss_scale=obj)
+    tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, loss_scale=obj, mode="mean")
     s = tx.init(PARAMS)
     assert float(wa.window_counters(s)["loss_scale"]) == float(np.float32(ref))
   else:
     with pytest.raises(Error, match="loss_scale"):
-      wa.weighted_multi_steps(optax.sgd(1.0), 2, loss_scale=obj)
+      wa.weighted_multi_steps(optax.sgd(1.0), 2, loss_scale=obj, mode="mean")
 
 
 # ------------------------------------------------------------- distributed --
@@ -919,7 +921,7 @@ def test_checkpoint_corrupt_dtype_option_is_named(bad):
 
 def test_checkpoint_nnx_optimizer_opt_state_round_trip():
   model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-  tx = wa.weighted_multi_steps(optax.adam(1e-3), 2)
+  tx = wa.weighted_multi_steps(optax.adam(1e-3), 2, mode="mean")
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   grads = nnx.state(model, nnx.Param)
   grads = jax.tree.map(jnp.ones_like, grads)

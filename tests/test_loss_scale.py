@@ -26,9 +26,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import toy_lm as toy
 
 import weighted_accum as wa
-from weighted_accum import toy
 from weighted_accum.checkpoint import AccumCheckpointHandler
 
 PARAMS = {"w": jnp.zeros(3), "b": jnp.zeros(2)}
@@ -391,12 +391,17 @@ def test_set_loss_scale_refuses_a_window_holding_weight_eagerly():
   )
 
 
-def test_set_loss_scale_under_jit_keeps_the_scale_of_a_window_holding_weight():
+def test_set_loss_scale_under_jit_makes_a_window_holding_weight_unusable():
+  """Keeping the old scale would divide grads scaled by the new factor by
+  the old one (reported valid): the window becomes unusable instead, and
+  its close is invalid."""
   state = wa.accumulate_sum(
     wa.init(PARAMS, loss_scale=8.0), _scaled_grads(8.0), 3
   )
   out = jax.jit(wa.set_loss_scale)(state, 4.0)
-  assert float(out.loss_scale) == 8.0
+  assert np.isnan(float(out.loss_scale))
+  res, _ = jax.jit(wa.finish_mean)(out)
+  assert not bool(res.valid)
   # And checkify reports it.
   checked = checkify.checkify(
     jax.jit(lambda s, x: wa.set_loss_scale(s, x, checked=True))
@@ -412,12 +417,16 @@ def test_set_loss_scale_refuses_an_invalid_scale(bad):
   state = wa.init(PARAMS, loss_scale=8.0)
   with pytest.raises(wa.WeightedAccumulationError, match="loss_scale"):
     wa.set_loss_scale(state, bad)
+  # Under jit a traced invalid scale marks the window unusable (NaN):
+  # keeping 8.0 would divide grads scaled by the caller's factor by 8.
   out = jax.jit(wa.set_loss_scale)(state, jnp.float32(bad))
-  assert float(out.loss_scale) == 8.0
+  assert np.isnan(float(out.loss_scale))
+  nxt = jax.jit(wa.accumulate_sum)(out, _scaled_grads(1.0), 2)
+  assert int(nxt.rejected) == 1 and nxt.total_weight == 0.0
   err, _ = checkify.checkify(
     jax.jit(lambda s, x: wa.set_loss_scale(s, x, checked=True))
   )(state, jnp.float32(bad))
-  assert "not finite and positive" in err.get()
+  assert "not a finite positive normal number" in err.get()
 
 
 def test_set_loss_scale_refuses_a_non_state():
@@ -604,7 +613,9 @@ def test_wrapper_skips_backs_off_grows_and_unscales_each_window(jit):
   rng = np.random.default_rng(3)
   mean_grads = rng.normal(size=(len(sizes), k, 4))
   scaler = wa.DynamicLossScale(2.0**10, growth_interval=2, min_scale=2.0**8)
-  tx = wa.weighted_multi_steps(optax.sgd(lr), every_k=k, loss_scale=scaler)
+  tx = wa.weighted_multi_steps(
+    optax.sgd(lr), every_k_schedule=k, loss_scale=scaler, mode="mean"
+  )
   params = {"w": jnp.zeros(4, jnp.float32)}
   state = tx.init(params)
   update = jax.jit(tx.update) if jit else tx.update
@@ -779,8 +790,9 @@ def test_wrapper_state_checkpoint_restores_the_scaler(tmp_path):
   uninterrupted one."""
   tx = wa.weighted_multi_steps(
     optax.sgd(0.1),
-    every_k=2,
+    every_k_schedule=2,
     loss_scale=wa.DynamicLossScale(2.0**6, growth_interval=3),
+    mode="mean",
   )
   params = {"w": jnp.zeros(3, jnp.float32)}
   flags = [True, False, True, True, True, True]

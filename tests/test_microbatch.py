@@ -218,7 +218,9 @@ def test_aux_is_stacked_in_row_order(variant):
 
   p = _params()
   batch = dict(_batch(np.ones(B)), row=jnp.arange(B))
-  f = variant(wa.microbatched_value_and_grad(loss_fn, k, has_aux=True))
+  f = variant(
+    wa.microbatched_value_and_grad(loss_fn, k, has_aux=True, mode="sum")
+  )
   (loss, aux), out = f(p, batch)
   np.testing.assert_array_equal(
     aux["rows"], np.arange(B).reshape(B // k, k).T
@@ -237,7 +239,7 @@ def test_num_real_microbatches_traced_skips_and_never_retraces():
     jax.debug.callback(lambda: runs.append(1))  # one per executed microbatch
     return sum_loss(p, batch)
 
-  f = jax.jit(wa.microbatched_value_and_grad(loss_fn, k))
+  f = jax.jit(wa.microbatched_value_and_grad(loss_fn, k, mode="sum"))
   for n in range(1, k + 1):
     del runs[:]
     loss, out = f(p, batch, num_real_microbatches=jnp.int32(n))
@@ -262,7 +264,7 @@ def test_skipped_microbatches_never_touch_the_result():
   x = np.array(batch["x"])
   x[np.arange(B) % k >= 2] = np.nan
   bad = dict(batch, x=jnp.asarray(x))
-  f = jax.jit(wa.microbatched_value_and_grad(sum_loss, k))
+  f = jax.jit(wa.microbatched_value_and_grad(sum_loss, k, mode="sum"))
   _, out = f(p, bad, num_real_microbatches=2)
   good = dict(batch, mask=batch["mask"] * (np.arange(B) % k < 2))
   assert bool(out.valid)
@@ -304,7 +306,9 @@ def test_dynamic_loss_scale_and_per_call_scale_without_recompiling():
     return sum_loss(p, b)
 
   scaler = wa.DynamicLossScale(2.0**10)
-  f = jax.jit(wa.microbatched_value_and_grad(loss_fn, k, loss_scale=scaler))
+  f = jax.jit(
+    wa.microbatched_value_and_grad(loss_fn, k, loss_scale=scaler, mode="sum")
+  )
   _, out = f(p, batch)
   assert float(out.loss_scale) == 2.0**10 and rel_err(out.grads, ref) <= 1e-5
   scaler = scaler.adjust(out.finite)
@@ -322,7 +326,9 @@ def test_dynamic_loss_scale_and_per_call_scale_without_recompiling():
   # One trace per kind of scale passed, none per value.
   assert seen[0] == seen[1] and seen[2] == seen[3]
   with pytest.raises(wa.WeightedAccumulationError, match="loss_scale"):
-    wa.microbatched_value_and_grad(loss_fn, k)(p, batch, loss_scale=-1.0)
+    wa.microbatched_value_and_grad(loss_fn, k, mode="sum")(
+      p, batch, loss_scale=-1.0
+    )
 
 
 # ------------------------------------------------------------- 4. memory --
@@ -383,7 +389,7 @@ def test_memory_k8_at_most_half_of_full_batch_and_carry_in_place():
     .compile()
   )
   micro = (
-    jax.jit(wa.microbatched_value_and_grad(_wide_mlp_loss, 8))
+    jax.jit(wa.microbatched_value_and_grad(_wide_mlp_loss, 8, mode="sum"))
     .lower(p, batch)
     .compile()
   )
@@ -478,7 +484,9 @@ def test_shard_map_aux_per_replica_and_accumulate_into_a_replica_window():
     s, n = sum_loss(p, b)
     return (s, n), n
 
-  f = wa.microbatched_value_and_grad(loss_fn, 2, has_aux=True, axis_name="data")
+  f = wa.microbatched_value_and_grad(
+    loss_fn, 2, has_aux=True, axis_name="data", mode="sum"
+  )
   (_, aux), out = jax.jit(
     jax.shard_map(
       f, mesh=mesh, in_specs=(P(), P("data")), out_specs=((P(), P("data")), P())
@@ -488,7 +496,7 @@ def test_shard_map_aux_per_replica_and_accumulate_into_a_replica_window():
     aux, np.asarray(batch["mask"]).reshape(n_dev, 2, 2).sum(1).ravel()
   )
   assert rel_err(out.grads, ref) <= 1e-5
-  g = wa.microbatched_value_and_grad(sum_loss, 2, axis_name="data")
+  g = wa.microbatched_value_and_grad(sum_loss, 2, axis_name="data", mode="sum")
 
   def two_calls(p, b):  # a plain wa.init window, finished once per replica
     st = wa.init(p)
@@ -568,7 +576,9 @@ def test_nnx_state_params_and_tuple_argnums():
     return jnp.sum(m * (pred - batch["y"]) ** 2), jnp.sum(m)
 
   batch = _batch(_mask_with_empty_microbatch(4, seed=14))
-  _, out = jax.jit(wa.microbatched_value_and_grad(loss_fn, 4))(params, batch)
+  _, out = jax.jit(wa.microbatched_value_and_grad(loss_fn, 4, mode="sum"))(
+    params, batch
+  )
   ref = jax.grad(lambda p: loss_fn(p, batch)[0] / batch["mask"].sum())(params)
   assert isinstance(out.grads, nnx.State)
   assert rel_err(out.grads, ref) <= 1e-5
@@ -578,7 +588,7 @@ def test_nnx_state_params_and_tuple_argnums():
 
   p = _params()
   _, out = wa.microbatched_value_and_grad(
-    two, 4, argnums=(0, 1), batch_argnums=2
+    two, 4, argnums=(0, 1), batch_argnums=2, mode="sum"
   )(p["w"], p["v"], batch)
   ref = full_batch(p, batch)[1]
   assert rel_err(out.grads, (ref["w"], ref["v"])) <= 1e-5
@@ -604,7 +614,9 @@ def test_errors_say_what_and_where(kwargs, call, match):
   args.update(kwargs)
   with pytest.raises(wa.WeightedAccumulationError, match=match):
     f = wa.microbatched_value_and_grad(
-      args.pop("loss_fn"), args.pop("num_microbatches"), **args
+      args.pop("loss_fn"),
+      args.pop("num_microbatches"),
+      **{"mode": "sum", **args},
     )
     if call == "ragged":
       batch = dict(batch, y=batch["y"][:-4])
@@ -614,7 +626,7 @@ def test_errors_say_what_and_where(kwargs, call, match):
 def test_non_scalar_loss_is_refused():
   p, batch = _params(), _batch(np.ones(B))
   f = wa.microbatched_value_and_grad(
-    lambda p, b: (_per_item(p, b), b["mask"].sum()), 4
+    lambda p, b: (_per_item(p, b), b["mask"].sum()), 4, mode="sum"
   )
   with pytest.raises(wa.WeightedAccumulationError, match="floating scalar"):
     f(p, batch)
@@ -624,7 +636,7 @@ def test_invalid_weight_from_loss_fn_makes_the_call_invalid():
   p, batch = _params(), _batch(np.ones(B))
   f = jax.jit(
     wa.microbatched_value_and_grad(
-      lambda p, b: (sum_loss(p, b)[0], -b["mask"].sum()), 4
+      lambda p, b: (sum_loss(p, b)[0], -b["mask"].sum()), 4, mode="sum"
     )
   )
   _, out = f(p, batch)

@@ -205,6 +205,7 @@ def test_multi_steps():
       optax.scale_by_adam(), optax.add_decayed_weights(1e-2), optax.scale(-1e-4)
     ),
     k_steps,
+    mode="mean",
   )
   opt_init, opt_update = ms_opt.gradient_transformation()
 
@@ -232,7 +233,9 @@ def test_multi_steps():
 
 def test_multi_steps_every_k_schedule():
   ms_opt = wa.WeightedMultiSteps(
-    optax.sgd(1e-4), lambda grad_step: jnp.where(grad_step < 2, 1, 3)
+    optax.sgd(1e-4),
+    lambda grad_step: jnp.where(grad_step < 2, 1, 3),
+    mode="mean",
   )
   opt_init, opt_update = ms_opt.gradient_transformation()
   opt_update = jax.jit(functools.partial(opt_update, weight=1))  # jit once
@@ -253,7 +256,7 @@ def test_multi_steps_every_k_schedule():
 
 def test_multi_steps_scan_dtype_stability():
   ms_opt = wa.WeightedMultiSteps(
-    optax.sgd(1e-4), 2, accumulator_dtype=jnp.float32
+    optax.sgd(1e-4), 2, accumulator_dtype=jnp.float32, mode="mean"
   )
   opt_init, opt_update = ms_opt.gradient_transformation()
   params = {"a": jnp.zeros([], dtype=jnp.bfloat16)}
@@ -270,7 +273,9 @@ def test_multi_steps_scan_dtype_stability():
 
 def test_multi_steps_zero_nans():
   ms_opt = wa.WeightedMultiSteps(
-    optax.chain(optax.zero_nans(), optax.sgd(1e-4)), every_k_schedule=2
+    optax.chain(optax.zero_nans(), optax.sgd(1e-4)),
+    every_k_schedule=2,
+    mode="mean",
   )
   opt_init, opt_update = ms_opt.gradient_transformation()
   params = {"a": jnp.zeros([])}
@@ -281,7 +286,9 @@ def test_multi_steps_zero_nans():
 
 def test_multi_steps_computes_mean():
   k_steps = 4
-  ms_opt = wa.WeightedMultiSteps(optax.scale(1.0), k_steps, use_grad_mean=True)
+  ms_opt = wa.WeightedMultiSteps(
+    optax.scale(1.0), k_steps, use_grad_mean=True, mode="mean"
+  )
   opt_init, opt_update = ms_opt.gradient_transformation()
   params = {"a": jnp.zeros([])}
   opt_state = opt_init(params)
@@ -298,7 +305,10 @@ def test_multi_steps_computes_mean():
 def test_multi_steps_skip_not_finite():
   k_steps = 2
   ms_opt = wa.WeightedMultiSteps(
-    optax.sgd(1.0), k_steps, should_skip_update_fn=optax.skip_not_finite
+    optax.sgd(1.0),
+    k_steps,
+    should_skip_update_fn=optax.skip_not_finite,
+    mode="mean",
   )
   opt_init, opt_update = ms_opt.gradient_transformation()
   opt_init = jax.jit(opt_init)
@@ -354,7 +364,7 @@ def test_multi_steps_mixed_precision(case):
 
   opt = getattr(optax, opt_name)(**opt_kwargs)
   ms_opt = wa.WeightedMultiSteps(
-    getattr(optax, opt_name)(**opt_kwargs), k_steps
+    getattr(optax, opt_name)(**opt_kwargs), k_steps, mode="mean"
   )
   ms_opt_init, ms_opt_update = ms_opt.gradient_transformation()
   ms_opt_update = functools.partial(ms_opt_update, weight=1)
@@ -426,7 +436,7 @@ def _first_update(opt, dtype, params=None, update_kwargs=None):
   """The body of optax's ``test_gradient_accumulation`` cases, up to its
   assertion (traced: the caller jits every case of a list at once)."""
   dtype = jnp.dtype(dtype)
-  opt = wa.WeightedMultiSteps(opt, every_k_schedule=4)
+  opt = wa.WeightedMultiSteps(opt, every_k_schedule=4, mode="mean")
   fun = lambda x: jnp.sum(x**2)
   params = jnp.array([1.0, 2.0], dtype=dtype) if params is None else params
   grads = jax.grad(fun)(params)
@@ -631,13 +641,20 @@ def _equivalence_case(case):
   values = jax.vmap(_window_loss, (None, 0, 0, 0))(params, x, y, mask)
   ones = jnp.ones((WINDOWS, K), jnp.float32)
   ours, _ = _scan_steps(
-    wa.WeightedMultiSteps(_make(case), K), params, x, y, mask, ones, values, kw
+    wa.WeightedMultiSteps(_make(case), K, mode="mean"),
+    params,
+    x,
+    y,
+    mask,
+    ones,
+    values,
+    kw,
   )
   theirs, _ = _scan_steps(
     optax.MultiSteps(_make(case), K), params, x, y, mask, None, values, kw
   )
   _, weighted = _scan_steps(
-    wa.WeightedMultiSteps(_make(case), K),
+    wa.WeightedMultiSteps(_make(case), K, mode="mean"),
     params,
     x,
     y,

@@ -220,17 +220,18 @@ def test_counter_table_defines_state_counters_and_checkpoint_dtypes():
   ``state.counters`` all follow the table."""
   import dataclasses  # pylint: disable=g-import-not-at-top
 
-  from weighted_accum import _counters  # pylint: disable=g-import-not-at-top
+  from weighted_accum._src import base  # pylint: disable=g-import-not-at-top
 
-  names = [c.name for c in _counters.COUNTERS]
+  names = [name for name, _ in base.COUNTERS]
   fields = [f.name for f in dataclasses.fields(wa.AccumState)]
   assert fields == ["grads", *names, "dtype"]
   state = wa.init({"w": jnp.zeros(2)}, loss_scale=4.0)
   assert list(state.counters) == names
-  for c in _counters.COUNTERS:
-    value = state.counters[c.name]
-    assert value.dtype == c.dtype and value.shape == ()
-    want = 4.0 if c.name == "loss_scale" else c.initial
+  for name, c in base.COUNTERS:
+    value = state.counters[name]
+    want_dtype = "int32" if c.kind == "count" else "float32"
+    assert value.dtype == want_dtype and value.shape == ()
+    want = 4.0 if name == "loss_scale" else c.initial
     assert float(value) == want
   out, nxt = wa.finish_sums(
     wa.accumulate_sum(state, {"w": jnp.ones(2)}, 3.0), next_loss_scale=2.0

@@ -65,7 +65,7 @@ def _reference(inner, params, windows):
 
 
 def test_state_has_multisteps_fields_and_methods():
-  tx = wa.WeightedMultiSteps(optax.adam(0.1), 2)
+  tx = wa.WeightedMultiSteps(optax.adam(0.1), 2, mode="mean")
   state = tx.init(_params())
   assert state._fields[:5] == optax.MultiStepsState._fields
   assert tx.inner_opt.init is not None
@@ -85,9 +85,11 @@ def test_functional_form_builds_the_same_transformation():
   windows = [_data(1), _data(2)]
   results = []
   for tx in (
-    wa.weighted_multi_steps(optax.adamw(0.05), every_k=3),
-    wa.WeightedMultiSteps(optax.adamw(0.05), 3).gradient_transformation(),
-    wa.weighted_multi_steps(optax.adamw(0.05), lambda s: 3),
+    wa.weighted_multi_steps(optax.adamw(0.05), every_k_schedule=3, mode="mean"),
+    wa.WeightedMultiSteps(
+      optax.adamw(0.05), 3, mode="mean"
+    ).gradient_transformation(),
+    wa.weighted_multi_steps(optax.adamw(0.05), lambda s: 3, mode="mean"),
   ):
     params, state = _params(), None
     state = tx.init(params)
@@ -108,7 +110,7 @@ def test_functional_form_builds_the_same_transformation():
 def test_callable_schedule_is_traced_and_never_recompiles():
   traces = []
   tx = wa.WeightedMultiSteps(
-    optax.sgd(1.0), lambda step: jnp.where(step < 2, 1, 3)
+    optax.sgd(1.0), lambda step: jnp.where(step < 2, 1, 3), mode="mean"
   )
 
   def step(params, state, g, w):
@@ -155,7 +157,7 @@ def test_use_grad_mean_false_hands_over_the_weighted_sum(mode):
 
 def test_should_skip_update_fn_skips_one_microbatch_and_counts_it():
   tx = wa.WeightedMultiSteps(
-    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+    optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite, mode="mean"
   )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
@@ -175,7 +177,7 @@ def test_should_skip_update_fn_skips_one_microbatch_and_counts_it():
 
 def test_inject_hyperparams_learning_rate_read_and_changed_under_jit():
   tx = wa.WeightedMultiSteps(
-    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 2
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 2, mode="mean"
   )
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
@@ -213,7 +215,7 @@ def test_mixed_precision_dtype_and_finiteness_as_multisteps(
     {"w": jnp.array(g, grad_dtype)}
     for g in ([0.5, -1.0, 2.0], [1.5, 0.25, -3.0])
   ] * 2
-  ours = wa.WeightedMultiSteps(optax.adam(0.1), 2)
+  ours = wa.WeightedMultiSteps(optax.adam(0.1), 2, mode="mean")
   theirs = optax.MultiSteps(optax.adam(0.1), 2)
   s_ours, s_theirs = ours.init(params), theirs.init(params)
   for g in grads:
@@ -236,7 +238,7 @@ def test_float16_params_float32_grads_get_float32_window():
   float16 mean that overflows: the updates are finite and exact."""
   params = {"w": jnp.array([1.0, -1.0], jnp.float16)}
   g = {"w": jnp.array([1e5, -3e5], jnp.float32)}  # beyond float16's range
-  tx = wa.WeightedMultiSteps(optax.adam(0.1), 1)
+  tx = wa.WeightedMultiSteps(optax.adam(0.1), 1, mode="mean")
   u, state = jax.jit(tx.update)(g, tx.init(params), params, weight=1)
   assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
   ref, _ = optax.MultiSteps(optax.adam(0.1), 1).update(
@@ -249,15 +251,33 @@ def test_float16_params_float32_grads_get_float32_window():
   assert np.all(np.isfinite(np.asarray(u["w"], np.float32)))
 
 
-def test_window_with_nonfinite_updates_is_not_applied():
-  """Finite grads whose inner updates overflow (an optimizer computing in
-  float16): nothing applied, flagged and counted; the next window with
-  finite updates applies."""
+def test_nonfinite_updates_are_returned_by_default_as_multisteps_does():
+  """By default only the window's gradients are checked: an inner update
+  that overflows is returned as optax.MultiSteps returns it."""
   params = {"w": jnp.ones(2, jnp.float16)}
   square = optax.stateless(
     lambda u, p: jax.tree.map(lambda x: x * x * jnp.float16(1e3), u)
   )
-  tx = wa.WeightedMultiSteps(square, 1)
+  g = {"w": jnp.full(2, 10.0, jnp.float16)}
+  ours = wa.WeightedMultiSteps(square, 1, mode="mean")
+  u, state = jax.jit(ours.update)(g, ours.init(params), params, weight=1)
+  ms = optax.MultiSteps(square, 1)
+  u_ms, _ = ms.update(g, ms.init(params), params)
+  np.testing.assert_array_equal(np.asarray(u["w"]), np.asarray(u_ms["w"]))
+  assert bool(wa.has_updated(state)) and not bool(state.nonfinite)
+
+
+def test_window_with_nonfinite_updates_is_not_applied():
+  """With skip_nonfinite_updates=True, finite grads whose inner updates
+  overflow (an optimizer computing in float16): nothing applied, flagged and
+  counted; the next window with finite updates applies."""
+  params = {"w": jnp.ones(2, jnp.float16)}
+  square = optax.stateless(
+    lambda u, p: jax.tree.map(lambda x: x * x * jnp.float16(1e3), u)
+  )
+  tx = wa.WeightedMultiSteps(
+    square, 1, mode="mean", skip_nonfinite_updates=True
+  )
   update = jax.jit(tx.update)
   state = tx.init(params)
   u, state = update(
@@ -290,13 +310,13 @@ def test_window_with_nonfinite_updates_is_not_applied():
 )
 def test_bad_every_k_raises_naming_it(bad, needle):
   with pytest.raises(wa.WeightedAccumulationError, match=needle):
-    wa.weighted_multi_steps(optax.sgd(0.1), bad)
+    wa.weighted_multi_steps(optax.sgd(0.1), bad, mode="mean")
   with pytest.raises(wa.WeightedAccumulationError, match="every_k_schedule"):
-    wa.WeightedMultiSteps(optax.sgd(0.1), bad)
+    wa.WeightedMultiSteps(optax.sgd(0.1), bad, mode="mean")
 
 
 def test_every_k_at_the_int32_limit_is_accepted():
-  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2**31 - 1)
+  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2**31 - 1, mode="mean")
   _, state = tx.update(
     {"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), weight=1
   )
@@ -320,13 +340,13 @@ def test_every_k_at_the_int32_limit_is_accepted():
 )
 def test_bad_constructor_arguments_raise_naming_them(kwargs, needle):
   with pytest.raises(wa.WeightedAccumulationError, match=needle):
-    wa.WeightedMultiSteps(optax.sgd(0.1), 2, **kwargs)
+    wa.WeightedMultiSteps(optax.sgd(0.1), 2, **{"mode": "mean", **kwargs})
 
 
 def test_bad_inner_optimizer_and_finish_raise():
-  with pytest.raises(wa.WeightedAccumulationError, match="inner optimizer"):
-    wa.WeightedMultiSteps(lambda x: x, 2)
-  tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2)
+  with pytest.raises(wa.WeightedAccumulationError, match=r"\(opt\)"):
+    wa.WeightedMultiSteps(lambda x: x, 2, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode="mean")
   params = {"w": jnp.ones(1)}
   for finish in ("yes", 1, jnp.ones(2, bool)):
     with pytest.raises(wa.WeightedAccumulationError, match="finish"):
@@ -408,7 +428,7 @@ def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
 
 def test_dynamic_loss_scale_refuses_next_loss_scale():
   tx = wa.weighted_multi_steps(
-    optax.sgd(0.1), 2, loss_scale=wa.DynamicLossScale(4.0)
+    optax.sgd(0.1), 2, loss_scale=wa.DynamicLossScale(4.0), mode="mean"
   )
   params = {"w": jnp.ones(1)}
   with pytest.raises(wa.WeightedAccumulationError, match="next_loss_scale"):
@@ -429,6 +449,7 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
       3,
       should_skip_update_fn=optax.skip_not_finite,
       loss_scale=wa.DynamicLossScale(8.0, growth_interval=1),
+      mode="mean",
     )
 
   tx = make()
@@ -505,7 +526,7 @@ def test_linen_train_state_matches_full_batch_reference():
   state = wa.TrainState.create(
     apply_fn=model.apply,
     params=params,
-    tx=wa.WeightedMultiSteps(optax.adamw(0.05), 3),
+    tx=wa.WeightedMultiSteps(optax.adamw(0.05), 3, mode="mean"),
   )
   windows = [_data(10), _data(11, sizes=[4, 1, 2]), _data(12)]
   for x, y, mask in windows:
@@ -530,7 +551,7 @@ def test_linen_train_state_finish_closes_a_short_window():
   state = wa.TrainState.create(
     apply_fn=model.apply,
     params=params,
-    tx=wa.weighted_multi_steps(optax.sgd(0.1), None),
+    tx=wa.weighted_multi_steps(optax.sgd(0.1), None, mode="mean"),
   )
   x, y, mask = _data(20, k=2)
   grads = jax.grad(functools.partial(_linen_loss, model.apply))(
@@ -547,7 +568,7 @@ def test_linen_train_state_finish_closes_a_short_window():
 
 def test_linen_train_state_orbax_round_trip(tmp_path):
   model, params = _linen_setup()
-  tx = wa.WeightedMultiSteps(optax.adam(0.05), 3)
+  tx = wa.WeightedMultiSteps(optax.adam(0.05), 3, mode="mean")
   state = wa.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   data = [_data(30), _data(31)]
   micro = [(x[i], y[i], m[i]) for x, y, m in data for i in range(3)]

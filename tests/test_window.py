@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
+import toy_lm as toy
 
 from _helpers import row_splits
 import weighted_accum as wa
-from weighted_accum import toy
 
 BATCH = toy.make_dataset(num_sequences=12, max_len=16, seed=3)
 MODEL = toy.TinyLM(dim=16, heads=2, max_len=16, rngs=nnx.Rngs(0))
@@ -247,7 +247,10 @@ def test_traced_invalid_next_loss_scale_marks_the_next_window_unusable():
     assert not bool(out2.valid)
 
 
-def test_bfloat16_params_get_their_dtype_and_float32_buffers_are_exact():
+def test_bfloat16_params_get_their_dtype_and_a_float32_mean():
+  """The optimizer gets the mean in float32 (never narrower than the
+  buffers or params); the params keep bfloat16. XLA divides by the weight
+  as a reciprocal product, so the result is 0 to float32 rounding."""
   tx = optax.sgd(1.0)
   params = {"w": jnp.array([1.0, 2.0], jnp.bfloat16)}
   state = wa.init(params, dtype=jnp.float32)
@@ -256,8 +259,8 @@ def test_bfloat16_params_get_their_dtype_and_float32_buffers_are_exact():
   )
   new_params, _, _, out = wa.apply_window(tx, state, params, tx.init(params))
   assert bool(out.valid) and new_params["w"].dtype == jnp.bfloat16
-  np.testing.assert_array_equal(
-    np.asarray(new_params["w"], np.float32), [0.0, 0.0]
+  np.testing.assert_allclose(
+    np.asarray(new_params["w"], np.float32), [0.0, 0.0], atol=2e-7
   )
 
 

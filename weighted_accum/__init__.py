@@ -10,32 +10,62 @@ from importlib import metadata as _metadata
 
 from weighted_accum import checkpoint
 from weighted_accum import distributed
-from weighted_accum.checkpoint import AccumRestore
-from weighted_accum.checkpoint import AccumSave
-from weighted_accum.checkpoint import abstract_state
-from weighted_accum.core import accumulate_mean
-from weighted_accum.core import accumulate_sum
-from weighted_accum.core import finish_mean
-from weighted_accum.core import finish_sums
-from weighted_accum.distributed import local_grad
-from weighted_accum.distributed import local_value_and_grad
-from weighted_accum.distributed import reduce_sums
-from weighted_accum.errors import WeightedAccumulationError
-from weighted_accum.loss_scale import DynamicLossScale
-from weighted_accum.loss_scale import set_loss_scale
-from weighted_accum.microbatch import microbatched_value_and_grad
-from weighted_accum.microbatch import optax_accumulator
-from weighted_accum.state import AccumState
-from weighted_accum.state import AccumulatedGradients
-from weighted_accum.state import from_buffers
-from weighted_accum.state import init
-from weighted_accum.train_state import TrainState
-from weighted_accum.transform import WeightedMultiSteps
-from weighted_accum.transform import WeightedMultiStepsState
-from weighted_accum.transform import has_updated
-from weighted_accum.transform import weighted_multi_steps
-from weighted_accum.transform import window_counters
-from weighted_accum.window import apply_window
+
+# The functional API: open, fill and close a window.
+from weighted_accum._src.accumulation import accumulate_mean as accumulate_mean
+from weighted_accum._src.accumulation import accumulate_sum as accumulate_sum
+from weighted_accum._src.accumulation import from_buffers as from_buffers
+from weighted_accum._src.accumulation import init as init
+
+# Mixed precision.
+from weighted_accum._src.accumulation import set_loss_scale as set_loss_scale
+
+# The state and the error.
+from weighted_accum._src.base import AccumState as AccumState
+from weighted_accum._src.base import (
+  AccumulatedGradients as AccumulatedGradients,
+)
+
+# Checkpoints (more in weighted_accum.checkpoint).
+from weighted_accum._src.checkpoint import AccumRestore as AccumRestore
+from weighted_accum._src.checkpoint import AccumSave as AccumSave
+from weighted_accum._src.checkpoint import abstract_state as abstract_state
+
+# Data parallelism (more in weighted_accum.distributed).
+from weighted_accum._src.distributed import local_grad as local_grad
+from weighted_accum._src.distributed import (
+  local_value_and_grad as local_value_and_grad,
+)
+from weighted_accum._src.distributed import reduce_sums as reduce_sums
+from weighted_accum._src.errors import (
+  WeightedAccumulationError as WeightedAccumulationError,
+)
+from weighted_accum._src.finishing import apply_window as apply_window
+from weighted_accum._src.finishing import finish_mean as finish_mean
+from weighted_accum._src.finishing import finish_sums as finish_sums
+from weighted_accum._src.loss_scale import DynamicLossScale as DynamicLossScale
+
+# Inside one jitted step: a loop over the microbatches of a global batch.
+from weighted_accum._src.microbatching import (
+  microbatched_value_and_grad as microbatched_value_and_grad,
+)
+from weighted_accum._src.microbatching import (
+  optax_accumulator as optax_accumulator,
+)
+
+# Across jitted steps: the optax wrapper and flax's TrainState.
+from weighted_accum._src.multi_steps import (
+  WeightedMultiSteps as WeightedMultiSteps,
+)
+from weighted_accum._src.multi_steps import has_updated as has_updated
+from weighted_accum._src.multi_steps import (
+  weighted_multi_steps as weighted_multi_steps,
+)
+from weighted_accum._src.multi_steps import window_counters as window_counters
+from weighted_accum._src.multi_steps_step import (
+  WeightedMultiStepsState as WeightedMultiStepsState,
+)
+from weighted_accum._src.train_state import TrainState as TrainState
 
 # The one version string is pyproject.toml's; installed metadata carries it.
 try:

@@ -5,7 +5,9 @@ hands its keyword arguments to ``replace``, never to ``tx.update``, so a
 weighted accumulator cannot be reached through it. :class:`TrainState` is
 the same dataclass with an ``apply_gradients`` that forwards ``weight`` and
 ``finish`` to the transformation (:class:`~weighted_accum.WeightedMultiSteps`
-or :func:`~weighted_accum.weighted_multi_steps`).
+or :func:`~weighted_accum.weighted_multi_steps`, alone or inside an
+``optax.chain``); with any other ``tx`` a weight would be ignored, so it is
+refused.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from flax.training import train_state
+import jax
 import jax.numpy as jnp
 import optax
+
+from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.multi_steps_step import WeightedMultiStepsState
 
 __all__ = ["TrainState"]
 
@@ -41,7 +47,7 @@ class TrainState(train_state.TrainState):
     >>> params = model.init(jax.random.key(0), x)['params']
     >>> state = wa.TrainState.create(
     ...     apply_fn=model.apply, params=params,
-    ...     tx=wa.WeightedMultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    ...     tx=wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode='mean'))
     >>> loss = lambda p, x: jnp.mean(state.apply_fn({'params': p}, x) ** 2)
     >>> for n in (4, 1):
     ...   grads = jax.grad(loss)(state.params, x[:n])
@@ -84,8 +90,11 @@ class TrainState(train_state.TrainState):
       mid-window), ``opt_state`` advanced.
 
     Raises:
-      WeightedAccumulationError: as the transformation's ``update``.
+      WeightedAccumulationError: when ``tx`` holds no weighted accumulator
+        (``optax.MultiSteps`` or a plain optimizer would ignore the weight),
+        and as the transformation's ``update``.
     """
+    _check_weighted(self.opt_state)
     owg = not hasattr(grads, "shape") and _OWG in grads
     grads_opt = grads["params"] if owg else grads
     params_opt = self.params["params"] if owg else self.params
@@ -100,4 +109,20 @@ class TrainState(train_state.TrainState):
       new_params = {"params": new_params, _OWG: grads[_OWG]}
     return self.replace(
       step=self.step + 1, params=new_params, opt_state=opt_state, **kwargs
+    )
+
+
+def _check_weighted(opt_state: Any) -> None:
+  """Refuses a ``tx`` whose state holds no ``WeightedMultiStepsState``: its
+  ``update`` would not use the weight."""
+  is_ours = lambda x: isinstance(x, WeightedMultiStepsState)  # noqa: E731
+  nodes = jax.tree.leaves(opt_state, is_leaf=is_ours)
+  if not any(is_ours(x) for x in nodes):
+    raise WeightedAccumulationError(
+      "TrainState.apply_gradients(weight=...): tx is not a weighted "
+      "accumulator (its state holds no WeightedMultiStepsState), so the "
+      "weight would be ignored: optax.MultiSteps averages microbatches "
+      "equally and a plain optimizer applies each one. Create the state "
+      "with tx=weighted_accum.WeightedMultiSteps(opt, every_k_schedule, "
+      "mode=...)."
     )

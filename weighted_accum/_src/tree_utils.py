@@ -1,8 +1,6 @@
-"""Private tree, sharding and tracing helpers shared by the modules.
-
-Leaf paths and structural matching of trees (with errors naming the leaf),
-``shard_map`` varying types, zeros that keep a sharding, and the one
-finiteness reduction. Not API: import from :mod:`weighted_accum` instead.
+"""Tree, sharding and tracing helpers: leaf paths and structural matching
+(errors name the leaf), ``shard_map`` varying types and manual axes, zeros
+that keep a sharding, and where a newly born state's scalars live.
 """
 
 from __future__ import annotations
@@ -11,11 +9,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+from jax.sharding import SingleDeviceSharding
 import numpy as np
 
-from weighted_accum.errors import WeightedAccumulationError
-from weighted_accum.errors import concrete_float  # noqa: F401  (re-export)
-from weighted_accum.errors import is_traced
+from weighted_accum._src.errors import WeightedAccumulationError
+
+
+def is_traced(x: Any) -> bool:
+  """True when ``x`` is an abstract value inside a JAX transformation."""
+  return isinstance(x, jax.core.Tracer)
+
+
+def concrete_float(x: Any) -> float | None:
+  """``x`` as a Python float when it is concrete, else ``None``."""
+  return None if is_traced(x) else float(np.asarray(x))
+
+
+# ----------------------------------------------------------------- paths --
 
 
 def path_str(path: tuple) -> str:
@@ -107,9 +119,17 @@ def match_tree(
 
 
 GRADS_HINT = (
-  "Gradients must be float32, bfloat16 or float16; exclude "
-  "integer leaves (e.g. with nnx.state(model, nnx.Param))."
+  "Gradients must be floating point (float32, bfloat16, float16; float64 "
+  "with x64); exclude integer and bool leaves (e.g. nnx.state(model, "
+  "nnx.Param), or eqx.filter(model, eqx.is_inexact_array))."
 )
+
+
+def leaf_dtype(leaf: Any) -> np.dtype:
+  """A leaf's dtype: arrays, ``jax.ShapeDtypeStruct``s, Python scalars."""
+  return np.dtype(
+    leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+  )
 
 
 def check_leaves_floating(
@@ -120,24 +140,35 @@ def check_leaves_floating(
   Leaves may be arrays, Python/NumPy scalars or ``jax.ShapeDtypeStruct``s.
   """
   for path, leaf in paths_and_leaves:
-    dt = leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf)
-    if not jnp.issubdtype(dt, jnp.floating):
+    try:
+      dt = leaf_dtype(leaf)
+    except TypeError:
+      dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+      shown = dt if dt is not None else type(leaf).__name__
       raise WeightedAccumulationError(
-        f"{what}: leaf {path} has dtype {dt}, which is not floating point. "
-        + hint
+        f"{what}: leaf {path} has dtype {shown}, which is not floating "
+        "point. " + hint
       )
 
 
-def varying_axes(x: Any) -> frozenset:
-  """The ``shard_map`` mesh axes ``x`` varies over (empty outside one).
+# ------------------------------------------------------- shard_map types --
 
-  ``jax.typeof(x).vma`` in newer JAX, ``.mat.varying`` in jax 0.10.
-  """
+
+def varying_axes(x: Any) -> frozenset:
+  """The ``shard_map`` mesh axes ``x`` varies over (empty outside one)."""
   aval = jax.typeof(x)
   v = getattr(aval, "vma", None)
   if v is None:
     v = getattr(getattr(aval, "mat", None), "varying", frozenset())
   return frozenset(v)
+
+
+def manual_axes() -> tuple[str, ...]:
+  """The mesh axes the enclosing ``shard_map`` has made manual (``()``
+  outside one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(getattr(mesh, "manual_axes", ()) or ())
 
 
 def vma_checked(axes: tuple[str, ...]) -> bool:
@@ -148,6 +179,19 @@ def vma_checked(axes: tuple[str, ...]) -> bool:
   not sum gradients of replicated params: they are local.
   """
   return axes[0] in varying_axes(jax.lax.axis_index(axes[0]))
+
+
+def to_varying(tree: Any, axes: tuple[str, ...]) -> Any:
+  """Casts every leaf to vary over ``axes`` (no-op where it already does,
+  and under ``check_vma=False``)."""
+  if not axes or not vma_checked(axes):
+    return tree
+
+  def cast(x):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
 
 
 def vary_like(x: Any, ref: Any, axes: tuple[str, ...]) -> Any:
@@ -186,6 +230,9 @@ def check_not_reduced_against_weight(
       )
 
 
+# ------------------------------------------------------------- placement --
+
+
 def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
   """Zeros shaped like ``x`` on ``x``'s sharding, eagerly and under ``jit``.
 
@@ -209,22 +256,95 @@ def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
   return jnp.zeros(np.shape(x), dtype)
 
 
-def peak(x: jax.Array) -> jax.Array:
-  """``max(|x|)`` in at least float32: NaN if any value is NaN, 0 if empty.
-  One fused read of ``x`` (XLA:CPU fuses a plain reduction; the boolean
-  ``all(isfinite(x))`` would materialise a temporary)."""
-  ct = jnp.promote_types(x.dtype, jnp.float32)
-  return jnp.max(jnp.abs(jnp.asarray(x).astype(ct)), initial=jnp.zeros((), ct))
+def fill_like(x: jax.Array, value: jax.Array) -> jax.Array:
+  """``value`` broadcast like ``x``, on ``x``'s sharding, without reading
+  ``x`` (the select folds to a broadcast after sharding propagation)."""
+  return jnp.where(jnp.zeros_like(x, dtype=bool), x, value.astype(x.dtype))
 
 
-def all_of(flags: Any) -> jax.Array:
-  """``True`` when every bool scalar of ``flags`` is (``True`` if none)."""
-  flags = list(flags)
-  return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+def _committed_arrays(tree: Any) -> list[jax.Array]:
+  return [
+    x
+    for x in jax.tree.leaves(tree)
+    if isinstance(x, jax.Array) and not is_traced(x) and x.committed
+  ]
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """True when every value of ``tree`` is finite: one reduction per leaf
-  (:func:`peak`; NaN and Inf propagate into the maximum, which unlike a sum
-  cannot overflow, so it is exact)."""
-  return all_of(jnp.isfinite(peak(x)) for x in jax.tree.leaves(tree))
+def check_one_device_set(tree: Any, *, what: str) -> None:
+  """Refuses concrete committed arrays on different sets of devices: a
+  jitted computation cannot take them together."""
+  flat_tree = [
+    (p, x)
+    for p, x in flat(tree)
+    if isinstance(x, jax.Array) and not is_traced(x) and x.committed
+  ]
+  if not flat_tree:
+    return
+  path0, x0 = flat_tree[0]
+  devices = x0.sharding.device_set
+  for path, x in flat_tree[1:]:
+    if x.sharding.device_set != devices:
+      raise WeightedAccumulationError(
+        f"{what}: leaf {path} is committed to devices "
+        f"{sorted(d.id for d in x.sharding.device_set)} but leaf {path0} to "
+        f"{sorted(d.id for d in devices)}; one jitted computation cannot "
+        "take arrays committed to different devices. Put every param on "
+        "one device or one mesh (jax.device_put(params, sharding))."
+      )
+
+
+def replicated_sharding(tree: Any) -> jax.sharding.Sharding | None:
+  """The sharding ``jit`` gives a scalar computed from ``tree``'s arrays.
+
+  Replicated over the devices of ``tree``'s first committed array (its mesh
+  for a ``NamedSharding``); ``None`` when no array of ``tree`` is committed
+  (``jit`` then leaves its outputs uncommitted as well).
+  """
+  committed = _committed_arrays(tree)
+  if not committed:
+    return None
+  s = committed[0].sharding
+  if isinstance(s, NamedSharding):
+    return NamedSharding(s.mesh, PartitionSpec(), memory_kind=s.memory_kind)
+  if isinstance(s, SingleDeviceSharding):
+    return s
+  devices = sorted(s.device_set, key=lambda d: d.id)
+  if len(devices) == 1:
+    return SingleDeviceSharding(devices[0], memory_kind=s.memory_kind)
+  mesh = jax.sharding.Mesh(devices, ("_replicas",))
+  return NamedSharding(mesh, PartitionSpec(), memory_kind=s.memory_kind)
+
+
+def commit_like(tree: Any, params: Any) -> Any:
+  """``tree`` with its concrete uncommitted scalars committed like ``params``.
+
+  ``jax.jit`` keys its cache on whether each argument is committed, and a
+  jitted step's outputs are committed as soon as one input is: a state whose
+  buffers are committed but whose scalars are not would enter a step in one
+  form and leave it in another, and compile twice. Every way a state is
+  born places its scalars as a step would return them. Other leaves are
+  returned as they are; nothing changes when no leaf of ``params`` is
+  committed.
+  """
+  sharding = replicated_sharding(params)
+  if sharding is None:
+    return tree
+
+  def place(x):
+    if (
+      isinstance(x, jax.Array)
+      and not is_traced(x)
+      and x.ndim == 0
+      and not x.committed
+    ):
+      return jax.device_put(x, sharding)
+    return x
+
+  return jax.tree.map(place, tree)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+  """``tree``'s leaves cast to the dtypes of ``like``'s leaves."""
+  return jax.tree.map(
+    lambda x, d: jnp.asarray(x).astype(jnp.result_type(d)), tree, like
+  )

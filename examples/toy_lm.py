@@ -1,7 +1,9 @@
 """A tiny causal language model and a synthetic variable-length dataset.
 
-Used by the demo (``python -m weighted_accum``), the tests and the notebooks.
-Everything is generated in code and deterministic: no download.
+Used by the tests, the notebooks and ``examples/toy_lm_demo.py``. Everything is
+generated in code and deterministic: no download. Import it with
+``examples/`` on ``sys.path`` (``tests/conftest.py`` and the notebooks put it
+there).
 
 The loss is next-token cross-entropy over padded sequences; a sequence of
 length ``n`` predicts ``n - 1`` tokens, so a microbatch's effective weight is

@@ -1,0 +1,406 @@
+"""Closing a window: the one close path (``finish``, ``close``) and the
+public closers ``finish_sums``, ``finish_mean`` and ``apply_window``.
+
+Every window of the library is closed here: by the functional API, the optax
+wrapper, the in-step loop and the data-parallel helpers. Finiteness and
+validity are decided once per window, by NaN-safe marks
+(``numerics.nonfinite_mark``) reduced over every manual mesh axis, so every
+shard of every replica reads the same ``finite`` and ``valid``. Why the close
+is laid out so (one read of the sums, a conditional the invalid window skips,
+the division fused into the optimizer): ``docs/design.md``, "Closing a
+window".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from weighted_accum._src import base
+from weighted_accum._src import numerics
+from weighted_accum._src import tree_utils
+from weighted_accum._src import validation
+from weighted_accum._src.base import AccumState
+from weighted_accum._src.base import AccumulatedGradients
+from weighted_accum._src.errors import WeightedAccumulationError
+
+Axes = tuple[str, ...]
+
+# --------------------------------------------------------------- division --
+
+
+def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
+  """A positive finite weight and a usable (finite, positive, normal) loss
+  scale: what a division needs to mean anything."""
+  return (weight > 0) & jnp.isfinite(weight) & validation.scale_ok(loss_scale)
+
+
+def divide(
+  sums: Any,
+  loss_scale: jax.Array,
+  weight: jax.Array,
+  *,
+  wide: bool = False,
+  mark_nonfinite: bool = False,
+  usable: bool = False,
+) -> Any:
+  """``(sums / loss_scale) / weight`` per leaf; zeros where the divisors are
+  not usable.
+
+  Sequential division in at least float32, never by ``loss_scale * weight``
+  (which can overflow float16). Each result leaf has its sum's dtype, or with
+  ``wide`` the compute dtype (at least float32: when ``weight * loss_scale <
+  1`` the mean can exceed float16's range although the sums do not). With
+  ``mark_nonfinite`` the result is NaN where the sum was NaN or Inf, so the
+  result alone tells a non-finite pending value (NaN) from an overflow of the
+  mean (Inf). ``usable=True`` skips the divisor check where the caller knows
+  them usable (inside a ``lax.cond`` on a valid window): XLA would otherwise
+  copy the scalar check into every leaf's fused loop.
+  """
+  ok = True if usable else usable_divisors(loss_scale, weight)
+
+  def one(b):
+    ct = numerics.compute_dtype(b.dtype)
+    g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
+    if not usable:
+      g = jnp.where(ok, g, jnp.zeros((), ct))
+    if mark_nonfinite:
+      g = jnp.where(jnp.isfinite(b), g, jnp.asarray(jnp.nan, ct))
+    return g if wide else g.astype(b.dtype)
+
+  return jax.tree.map(one, sums)
+
+
+# ------------------------------------------------------ the next window --
+
+
+def next_window(
+  state: AccumState, next_loss_scale: Any = None, *, keep: Any = None
+) -> AccumState:
+  """An empty window after ``state`` on fresh zero buffers (each on its
+  buffer's sharding), its counters as the table's ``at_finish`` says, its
+  loss scale ``next_loss_scale`` (validated; ``None``: unchanged).
+
+  Where ``keep`` is true the counters but the loss scale stay ``state``'s: a
+  window of zero total weight is not consumed, and its buffers are all zero,
+  so the fresh zeros are its own buffers. The next loss scale applies to a
+  kept window too: it holds no scaled value, and keeping the old scale would
+  divide the caller's next microbatches by the wrong factor.
+  """
+  ls = state.loss_scale if next_loss_scale is None else next_loss_scale
+  counters = base.at_finish(state, jnp.asarray(ls, state.loss_scale.dtype))
+  if keep is not None:
+    old = base.of(state)
+    counters = {
+      k: v if k == "loss_scale" else jnp.where(keep, old[k], v)
+      for k, v in counters.items()
+    }
+  return state.replace(
+    grads=jax.tree.map(tree_utils.zeros_like, state.grads), **counters
+  )
+
+
+# ------------------------------------------------------ collectives --
+
+
+def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
+  """The axes to sum a leaf over: those it varies over (an unvarying leaf is
+  identical on every replica, i.e. already global)."""
+  if not vma_on:
+    return axes
+  return tuple(a for a in axes if a in tree_utils.varying_axes(x))
+
+
+def psum_window(
+  sums: Any, scalars: Mapping[str, Any], axes: Axes, *, vma_on: bool
+) -> tuple[Any, dict[str, jax.Array]]:
+  """One collective round: the sums (each over the axes it varies over)
+  together with the per-replica ``scalars`` (always summed; counts as
+  float32, exact below 2**24).
+
+  Returns:
+    The global sums and the summed scalars, by name.
+  """
+  leaves, treedef = jax.tree.flatten(sums)
+  groups: dict[Axes, list[int]] = {}
+  for i, x in enumerate(leaves):
+    ax = _leaf_axes(x, axes, vma_on)
+    if ax:
+      groups.setdefault(ax, []).append(i)
+  names = list(scalars)
+  values = [
+    jnp.asarray(scalars[k]).astype(
+      jnp.promote_types(jnp.asarray(scalars[k]).dtype, jnp.float32)
+    )
+    for k in names
+  ]
+  values = tree_utils.to_varying(values, axes) if vma_on else values
+  full = groups.pop(axes, [])
+  red, values = lax.psum(([leaves[i] for i in full], values), axes)
+  out = list(leaves)
+  for i, v in zip(full, red):
+    out[i] = v
+  for ax, idx in groups.items():
+    for i, v in zip(idx, lax.psum([leaves[i] for i in idx], ax)):
+      out[i] = v
+  return jax.tree.unflatten(treedef, out), dict(zip(names, values))
+
+
+def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Finiteness marks (0 or NaN) summed over every manual mesh axis of the
+  enclosing ``shard_map`` they vary over (all of them without varying
+  types), so every shard decides alike. A no-op outside ``shard_map``: under
+  ``jit`` the marks of sharded arrays are global already (XLA reduces them
+  across devices, and a sum cannot drop a NaN)."""
+  axes = tree_utils.manual_axes()
+  if not axes:
+    return marks
+  if tree_utils.vma_checked(axes):
+    out = []
+    for m in marks:
+      ax = tuple(a for a in axes if a in tree_utils.varying_axes(m))
+      out.append(lax.psum(m, ax) if ax else m)
+    return tuple(out)
+  return tuple(lax.psum(marks, axes))
+
+
+def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
+  if set(axes) & tree_utils.varying_axes(loss_scale):
+    raise WeightedAccumulationError(
+      f"{what}: the loss scale varies over {axes}; every replica must use "
+      "the same loss scale for a window. Pass it in with P() (unvarying)."
+    )
+
+
+# ---------------------------------------------------------------- result --
+
+
+def result(
+  sums: Any,
+  weight: jax.Array,
+  loss_scale: jax.Array,
+  issued: jax.Array,
+  *,
+  mean: bool,
+  require_weight: bool,
+) -> AccumulatedGradients:
+  """What a finish returns, from the (global) sums and weight.
+
+  ``finite`` says every PENDING sum is finite: what a dynamic loss scaler
+  reacts to (a mean that overflows float16 because ``weight * loss_scale <
+  1`` is no reason to lower the scale). ``valid`` is ``finite``, a usable
+  loss scale, with ``require_weight`` a positive finite ``weight``, and with
+  ``mean`` a result that is finite in the work dtype.
+
+  Both flags come from NaN-safe marks read AFTER the result is written
+  (reading the donated sums before would make XLA copy them): with ``mean``
+  the result is NaN exactly where a sum was non-finite
+  (``divide(..., mark_nonfinite=True)``), so a NaN is a non-finite pending
+  value and an Inf an overflow of the mean.
+  """
+  loss_scale = jnp.asarray(loss_scale)
+  usable = validation.scale_ok(loss_scale)
+  if require_weight:
+    usable = usable & usable_divisors(loss_scale, weight)
+  if mean:
+    grads = divide(sums, loss_scale, weight, mark_nonfinite=True)
+    pending, any_bad = global_marks(
+      (
+        numerics.tree_mark(grads, numerics.nan_mark),
+        numerics.tree_mark(grads),
+      )
+    )
+    finite = ~jnp.isnan(pending)
+    usable = usable & ~jnp.isnan(any_bad)
+  else:
+    grads = sums
+    (any_bad,) = global_marks((numerics.tree_mark(grads),))
+    finite = ~jnp.isnan(any_bad)
+  return AccumulatedGradients(
+    grads=grads,
+    weight=weight,
+    loss_scale=loss_scale,
+    issued=jnp.asarray(issued).astype(jnp.int32),
+    finite=finite,
+    valid=finite & usable,
+  )
+
+
+def finish(
+  state: AccumState,
+  *,
+  mean: bool,
+  keep_empty: bool | None = None,
+  next_loss_scale: Any = None,
+  axes: Axes = (),
+  vma_on: bool | None = None,
+  extra: Mapping[str, Any] | None = None,
+  what: str = "finish",
+) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
+  """Finishes ``state``'s window: the one finish path of the library.
+
+  Pure and traceable (no Python value checks: callers validate their inputs
+  first, ``next_loss_scale`` included); call it under ``jit``, inside
+  ``shard_map`` (with ``axes``), inside a ``lax.cond`` branch or a
+  ``lax.scan`` body.
+
+  Steps: (1) with ``axes``, one ``psum`` of the buffers together with the
+  table's ``SUMMED`` counters (weight pair, ``issued``) and ``extra``; (2)
+  the result (:func:`result`: finiteness and validity decided globally);
+  (3) the next window (:func:`next_window`), which with ``keep_empty`` keeps
+  the counters of a window of zero total weight.
+
+  Args:
+    state: the window (per replica when ``axes`` are given).
+    mean: divide (``finish_mean``) or return the still-scaled sums
+      (``finish_sums``; the closes divide inside their conditional).
+    keep_empty: keep the counters of a zero-weight window and require a
+      positive weight in ``out.valid`` (default: ``mean``).
+    next_loss_scale: the next window's loss scale, validated
+      (``validation.loss_scale``), ``None``, or a function of this window's
+      result returning it (a dynamic loss scale adjusted by ``out.finite``).
+    axes: the mesh axes to reduce over (inside ``shard_map``), or ``()``.
+    vma_on: whether ``shard_map`` tracks varying types (else every buffer
+      is summed over every axis); default: read from the axes.
+    extra: more per-replica scalars to sum in the same collective round.
+    what: how to name the caller in errors.
+
+  Returns:
+    ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps
+    ``state``'s varying type, so it may be a ``lax.scan`` carry.
+
+  Raises:
+    WeightedAccumulationError: with ``axes``, for a loss scale varying over
+      them.
+  """
+  keep_empty = mean if keep_empty is None else keep_empty
+  sums = state.grads
+  scalars = {k: getattr(state, k) for k in base.named(base.SUMMED)}
+  scalars.update(extra or {})
+  if axes:
+    vma_on = tree_utils.vma_checked(axes) if vma_on is None else vma_on
+    if vma_on:
+      _check_scale_shared(state.loss_scale, axes, what)
+    sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on)
+  # In the tally's dtype: float32, or float64 for a float64 work dtype.
+  weight = jnp.asarray(scalars["weight_hi"]) + jnp.asarray(scalars["weight_lo"])
+  out = result(
+    sums,
+    weight,
+    state.loss_scale,
+    scalars["issued"],
+    mean=mean,
+    require_weight=keep_empty,
+  )
+  keep = ~(weight > 0) if keep_empty else None
+  if callable(next_loss_scale):  # a dynamic scale, from this window's result
+    next_loss_scale = next_loss_scale(out)
+  new_state = next_window(state, next_loss_scale, keep=keep)
+  if axes:
+    new_state = jax.tree.map(
+      lambda r, s: tree_utils.vary_like(r, s, axes), new_state, state
+    )
+  return out, new_state, {k: scalars[k] for k in extra or {}}
+
+
+def reduce_finished(
+  out: AccumulatedGradients, axes: Axes, *, what: str = "reduce_sums"
+) -> AccumulatedGradients:
+  """The global mean from one replica's ``finish(state, mean=False)``
+  result: the same collective round and division as ``finish`` with
+  ``axes`` and ``mean=True`` (no state to reset)."""
+  vma_on = tree_utils.vma_checked(axes)
+  if vma_on:
+    _check_scale_shared(out.loss_scale, axes, what)
+  sums, scalars = psum_window(
+    out.grads, {"weight": out.weight, "issued": out.issued}, axes, vma_on=vma_on
+  )
+  return result(
+    sums,
+    scalars["weight"],
+    jnp.asarray(out.loss_scale),
+    scalars["issued"],
+    mean=True,
+    require_weight=True,
+  )
+
+
+# ---------------------------------------------------------------- close --
+
+
+def close(
+  state: AccumState,
+  operands: Any,
+  apply: Callable[[Any, Any], Any],
+  skip: Callable[[Any, Any], Any],
+  *,
+  next_loss_scale: Any = None,
+  mean: bool = True,
+  axes: Axes = (),
+) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
+  """The close kernel of :func:`apply_window` and of the optax wrapper,
+  generic in what it applies.
+
+  The window's sums, weight and finiteness come from :func:`finish` (read in
+  place, before anything else); then one ``lax.cond`` on the window's
+  validity runs either ``apply(mean, operands)`` (handed the window's mean
+  gradient in at least float32, divided inside the branch so that XLA fuses
+  the division into the optimizer's loops; with ``mean=False`` the window's
+  sum, divided by the loss scale only) or ``skip(sums, operands)`` (an
+  invalid window: nothing advances).
+
+  Args:
+    state: the window to close (per replica when ``axes`` are given).
+    operands: what ``apply`` and ``skip`` transform (e.g. params and the
+      optimizer state); passed through the conditional.
+    apply: ``(mean_grads, operands) -> result`` for a valid window.
+    skip: ``(sums, operands) -> result`` (same structure) for an invalid
+      one; ``sums`` are the pending buffers.
+    next_loss_scale: as for :func:`finish`.
+    mean: hand ``apply`` the weighted mean (``True``) or the weighted sum.
+    axes: the data axes to reduce the window over (inside ``shard_map``).
+
+  Returns:
+    ``(result, zero, new_state, out)``. ``zero`` is a 0 of the weight's
+    dtype computed by the conditional: filling the next window's buffers
+    from it orders that write after every read of the old buffers, so XLA
+    reuses them in place (fresh zeros, with no such dependence, make it copy
+    the donated buffers first). ``new_state`` is the next window (a window
+    of zero total weight keeps its counters; its buffers are zero); ``out``
+    describes the closed window, with ``grads=None``.
+  """
+  out, new_state, _ = finish(
+    state,
+    mean=False,
+    keep_empty=True,
+    next_loss_scale=next_loss_scale,
+    axes=axes,
+  )
+  zero_dtype = out.weight.dtype
+
+  def valid_branch(sums, operands):
+    divisor = out.weight if mean else jnp.ones((), zero_dtype)
+    # A valid window has a usable loss scale and a positive finite weight.
+    grads = divide(sums, out.loss_scale, divisor, wide=True, usable=True)
+    return apply(grads, operands), jnp.zeros((), zero_dtype)
+
+  def invalid_branch(sums, operands):
+    # 0 as well (the weight is finite and non-negative), but not a constant
+    # that XLA could forward out of the conditional.
+    return skip(sums, operands), jnp.minimum(out.weight, 0)
+
+  res, zero = lax.cond(
+    out.valid, valid_branch, invalid_branch, out.grads, operands
+  )
+  return res, zero, new_state, out.replace(grads=None)
+
+
+def refill(state: AccumState, zero: jax.Array) -> AccumState:
+  """``state`` with every buffer filled from ``zero`` (see :func:`close`)."""
+  return state.replace(
+    grads=jax.tree.map(lambda b: tree_utils.fill_like(b, zero), state.grads)
+  )
