@@ -371,7 +371,11 @@ def _accumulate(
   # contribution, the others add nothing; finish_mean's psum restores it
   # exactly (no division by the replica count, no rounding).
   owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
-  gweight = jnp.where(owner | jnp.isnan(gweight), gweight, 0.0)
+  gweight = validation.Weight(
+    jnp.where(owner, gweight.hi, 0.0),
+    jnp.where(owner, gweight.lo, 0.0),
+    gweight.ok,
+  )
   # The window's buffers are per replica from here on (typed varying).
   contrib = _tree.to_varying(contrib, axes)
   treedef = jax.tree.structure(state.grads)
@@ -386,10 +390,10 @@ def reduce_microbatch(
   *,
   mean: bool,
   what: str,
-) -> tuple[Any, jax.Array]:
+) -> tuple[Any, validation.Weight]:
   """One microbatch's global contribution (a tree like the buffers, the sum
-  over the replicas, each leaf summed once) and its global weight (NaN when
-  a replica's weight is invalid): one collective round, inside
+  over the replicas, each leaf summed once) and its global weight (an exact
+  pair, see :func:`global_contribution`): one collective round, inside
   ``shard_map``. For a window that is the same on every replica."""
   leaves = accumulation.check_structure(state, grads, what)
   reduced = _leaf_status(
@@ -410,9 +414,14 @@ def global_contribution(
   mean: bool,
   reduced: bool,
   what: str,
-) -> tuple[list[Any], jax.Array]:
-  """The microbatch's global contribution to the sums and its global weight
-  (NaN, which rejects it, when any replica's weight is invalid)."""
+) -> tuple[list[Any], validation.Weight]:
+  """The microbatch's global contribution to the sums and its global weight.
+
+  The weight is a :class:`validation.Weight` whose ``(hi, lo)`` is the exact
+  sum of the replicas' converted weights, summed in the same collective
+  round as the sums (``window.psum_window``'s limbs); it is not ``ok``
+  (zero parts, which rejects the microbatch) when any replica's weight is
+  invalid."""
   dt = state.dtype
   # The converted weight, zero where invalid (subnormal or out-of-range
   # weights follow the core's rules).
@@ -433,10 +442,15 @@ def global_contribution(
     # Every replica divided by the same count n: n * grads is the sum of the
     # replicas' loss-sum gradients, and the global weight is n * replicas.
     contrib = [numerics.mean_contribution(g, w_ok, dt) for g in leaves]
-    total, n_bad = w_ok * _axes_size(axes), bad.astype(jnp.float32)
-  elif reduced:
+    total = validation.weight(
+      w_ok * _axes_size(axes), what=what, tally=w_ok.dtype
+    )
+    return contrib, validation.Weight(total.hi, total.lo, total.ok & ~bad)
+  if reduced:
     contrib = leaves
-    total, n_bad = jax.lax.psum((w_ok, bad.astype(jnp.float32)), axes)
+    _, total = window.psum_window(
+      [], {**_pair(wt), "bad": bad}, axes, vma_on=_tree.vma_checked(axes)
+    )
   else:  # local gradients, reduce="microbatch": one psum of sums and weight
     take = ~bad & (w_ok > 0)
     zero = jnp.zeros((), dt)
@@ -448,11 +462,21 @@ def global_contribution(
       )
       for g in leaves
     ]
-    contrib, total, n_bad = jax.lax.psum(
-      (contrib, w_ok, bad.astype(jnp.float32)), axes
+    contrib, total = window.psum_window(
+      contrib, {**_pair(wt), "bad": bad}, axes, vma_on=_tree.vma_checked(axes)
     )
   # Any replica's invalid weight rejects the microbatch on every replica.
-  return contrib, jnp.where(n_bad > 0, jnp.nan, total)
+  ok = total["bad"] == 0
+  zero = jnp.zeros((), total["weight_hi"].dtype)
+  return contrib, validation.Weight(
+    jnp.where(ok, total["weight_hi"], zero),
+    jnp.where(ok, total["weight_lo"], zero),
+    ok,
+  )
+
+
+def _pair(wt: validation.Weight) -> dict[str, jax.Array]:
+  return {"weight_hi": jnp.asarray(wt.hi), "weight_lo": jnp.asarray(wt.lo)}
 
 
 def accumulate_sum(
