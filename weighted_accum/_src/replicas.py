@@ -277,11 +277,12 @@ def window_specs(state: AccumState, axis_name: str | Axes) -> AccumState:
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
     >>> params = jax.device_put({'w': jnp.zeros(3)}, NamedSharding(mesh, P()))
     >>> state = dist.init(params, 'data')          # outside shard_map
-    >>> state.grads['w'].shape == (mesh.size, 3), state.weight_hi.shape[0]
-    (True, 8)
-    >>> dist.window_specs(state, 'data').grads, dist.window_specs(
-    ...     state, 'data').windows
-    (PartitionSpec('data',), PartitionSpec())
+    >>> state.grads['w'].shape == (mesh.size, 3), state.issued.shape == (
+    ...     mesh.size,)
+    (True, True)
+    >>> specs = dist.window_specs(state, 'data')
+    >>> specs.grads == P('data'), specs.weight_hi == P('data'), specs.windows
+    (True, True, P())
   """
   what = "distributed.window_specs"
   axes = validation.axis_names(axis_name, what=what)
