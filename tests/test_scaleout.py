@@ -757,3 +757,20 @@ def test_stacked_windows_are_refused_where_they_do_not_belong():
   )
   with pytest.raises(wa.WeightedAccumulationError, match="gather_once"):
     jax.jit(g.accumulate)(state, params, b)
+
+
+def test_scaling_page_data_axes_section_runs():
+  """docs/scaling.md's data_axes examples run as written (they assert the
+  full-batch gradient and the window's microbatch count)."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+
+  page = (pathlib.Path(__file__).parents[1] / "docs" / "scaling.md").read_text()
+  section = page.split("<!-- BEGIN data_axes -->")[1].split(
+    "<!-- END data_axes -->"
+  )[0]
+  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+  assert len(blocks) == 2
+  scope = {}
+  exec(compile("\n".join(blocks), "scaling.md data_axes", "exec"), scope)  # pylint: disable=exec-used
+  assert bool(scope["out"].valid)
