@@ -289,4 +289,11 @@ def window_specs(state: AccumState, axis_name: str | Axes) -> AccumState:
   validation.instance(
     state, AccumState, what=f"{what}(state)", hint="Pass the stacked window."
   )
+  if not is_stacked(state):
+    raise WeightedAccumulationError(
+      f"{what}(state): this window is not stacked per replica (its counters "
+      "are scalars: a wa.init window); start it with distributed.init(params, "
+      f"{axis_name!r}) outside shard_map, or pass a wa.init window with "
+      "in_specs=P() (replicated)."
+    )
   return specs(state, axes)
