@@ -49,9 +49,6 @@ from weighted_accum._src.loss_scale import DynamicLossScale as DynamicLossScale
 from weighted_accum._src.microbatching import (
   microbatched_value_and_grad as microbatched_value_and_grad,
 )
-from weighted_accum._src.microbatching import (
-  optax_accumulator as optax_accumulator,
-)
 
 # Across jitted steps: the optax wrapper and flax's TrainState.
 from weighted_accum._src.multi_steps import (
@@ -64,6 +61,9 @@ from weighted_accum._src.multi_steps import (
 from weighted_accum._src.multi_steps import window_counters as window_counters
 from weighted_accum._src.multi_steps_step import (
   WeightedMultiStepsState as WeightedMultiStepsState,
+)
+from weighted_accum._src.optax_microbatching import (
+  optax_accumulator as optax_accumulator,
 )
 from weighted_accum._src.train_state import TrainState as TrainState
 
