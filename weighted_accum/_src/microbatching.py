@@ -53,21 +53,20 @@ class _Config(NamedTuple):
 # -------------------------------------------------------- one microbatch --
 
 
-def _objective(cfg, call, groups, norms, i, threaded, scale):
-  """The function of the differentiated leaves that one microbatch
-  differentiates: one scaled scalar per window, and the evaluation."""
+def _objective(cfg, call, group, norms, i, threaded, scale):
+  """What one microbatch differentiates for one window: a function of the
+  differentiated leaves returning the window's scaled scalar and the
+  evaluation. One function per window: a term's backward pass never meets
+  another window's terms (a fully masked term's 0/0 stays out of it)."""
 
   def fn(values):
     args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
     ev = terms.evaluate(cfg, args, kwargs)
-    out = []
-    for g in groups:
-      if g.known:
-        s = sum(terms.part(cfg, ev, t) / norms[t] for t in g.terms)
-      else:
-        s = ev.terms[g.terms[0]].astype(_F32)
-      out.append(s * scale.astype(_F32))
-    return jnp.stack(out), ev
+    if group.known:
+      s = sum(terms.part(cfg, ev, t) / norms[t] for t in group.terms)
+    else:
+      s = ev.terms[group.terms[0]].astype(_F32)
+    return s * scale.astype(_F32), ev
 
   return fn
 
@@ -132,16 +131,17 @@ def _tally(cfg, g, old, new, ev, sums) -> dict:
 
 def _body(cfg, call, groups, norms, scale):
   axes = cfg.axis_name or ()
-  eye = np.eye(len(groups), dtype=np.float32)
 
   def body(i, carry: _Carry) -> _Carry:
-    fn = _objective(cfg, call, groups, norms, i, carry.threaded, scale)
     values = tree_utils.to_varying(margs.diff_values(call), axes)
-    out, pull, ev = jax.vjp(fn, values, has_aux=True)
-    states, sums = [], carry.sums
-    for g, st, e in zip(groups, carry.states, eye):
-      ct = tree_utils.vary_like(jnp.asarray(e), out, axes) if axes else e
-      grads = margs.as_params(call, pull(jnp.asarray(ct))[0], cfg.roles)
+    states, sums, ev = [], carry.sums, None
+    for g, st in zip(groups, carry.states):
+      fn = _objective(cfg, call, g, norms, i, carry.threaded, scale)
+      out, pull, got = jax.vjp(fn, values, has_aux=True)
+      ev = ev or got  # one evaluation: the others' forward is the same
+      one = jnp.ones((), out.dtype)
+      ct = tree_utils.vary_like(one, out, axes) if axes else one
+      grads = margs.as_params(call, pull(ct)[0], cfg.roles)
       new = _add(cfg, g, st, grads, ev)
       sums = _tally(cfg, g, st, new, ev, sums)
       states.append(new)
