@@ -331,7 +331,9 @@ def microbatch(
   for n in roles.key_argnums:
     args[n] = jax.tree.map(lambda key: jax.random.fold_in(key, i), args[n])
   for n, s in zip(roles.state_argnums, threaded):
-    args[n] = s
+    # Rebuilt here, in the trace that runs loss_fn: an NNX state's Variables
+    # may then be mutated by it (flax refuses mutating one of an outer trace).
+    args[n] = jax.tree.map(lambda x: x, s)
   for n, d, vals in zip(roles.argnums, call.diffs, values):
     args[n] = _combine(d, vals)
   return args, kwargs
