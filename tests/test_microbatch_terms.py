@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -227,3 +228,39 @@ def test_term_errors():
   )
   with pytest.raises(Error, match="one loss"):
     single(p, b, normalizers={"xent": 3})
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_terms_inside_shard_map_are_global(known):
+  """Two replicas, each splitting its own rows: the terms' totals are
+  summed over the replicas in the close (a weight-1 term is averaged over
+  all 2K microbatches); a known normaliser is the global one."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  p, b = _params(), _batch(empty=1)
+  f = wa.microbatched_value_and_grad(terms_sum, K, mode="sum", axis_name="data")
+  norms = {"lb": 2 * K} if known else None
+  dp = jax.jit(
+    jax.shard_map(
+      lambda p, b: f(p, b, normalizers=norms),
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=P(),
+    )
+  )
+  loss, out = dp(p, b)
+
+  def objective(p):
+    parts = []
+    for r in range(2):  # replica r's rows, split k::K
+      local = jax.tree.map(lambda x, r=r: x[8 * r : 8 * r + 8], b)
+      parts += [
+        _pieces(p, jax.tree.map(lambda x, k=k: x[k::K], local))
+        for k in range(K)
+      ]
+    xent = sum(x for x, _, _ in parts) / sum(n for _, n, _ in parts)
+    return xent + sum(lb for _, _, lb in parts) / len(parts), xent
+
+  (_, xent), ref = jax.value_and_grad(objective, has_aux=True)(p)
+  assert rel_err(out.grads, ref) < 1e-5 and bool(out.valid)
+  np.testing.assert_allclose(loss["xent"], xent, rtol=1e-5)
+  assert float(out.weight["lb"]) == 2 * K
