@@ -117,9 +117,9 @@ def groups(names: list, norms: dict) -> tuple[Group, ...]:
   return own + ((Group(known, True),) if known else ())
 
 
-def part(cfg: Any, ev: Eval, t: Any) -> jax.Array:
-  """A term's loss SUM over the microbatch, in float32."""
-  loss, w = ev.terms[t].astype(_F32), ev.weights[t].astype(_F32)
+def part(cfg: Any, ev: Eval, t: Any, dtype: Any = _F32) -> jax.Array:
+  """A term's loss SUM over the microbatch, in ``dtype``."""
+  loss, w = ev.terms[t].astype(dtype), ev.weights[t].astype(dtype)
   if cfg.mode == "sum":
     return loss
   return jnp.where(w > 0, loss * w, 0.0)

@@ -27,6 +27,7 @@ from weighted_accum._src import distributed as dist
 from weighted_accum._src import finishing
 from weighted_accum._src import microbatch_args as margs
 from weighted_accum._src import microbatch_terms as terms
+from weighted_accum._src import numerics
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
 from weighted_accum._src import validation_args
@@ -62,11 +63,17 @@ def _objective(cfg, call, group, norms, i, threaded, scale):
   def fn(values):
     args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
     ev = terms.evaluate(cfg, args, kwargs)
+    # At least float32; float64 stays float64 (under x64).
+    ct = numerics.compute_dtype(
+      jnp.result_type(*(ev.terms[t] for t in group.terms))
+    )
     if group.known:
-      s = sum(terms.part(cfg, ev, t) / norms[t] for t in group.terms)
+      s = sum(
+        terms.part(cfg, ev, t, ct) / norms[t].astype(ct) for t in group.terms
+      )
     else:
-      s = ev.terms[group.terms[0]].astype(_F32)
-    return s * scale.astype(_F32), ev
+      s = ev.terms[group.terms[0]].astype(ct)
+    return s * scale.astype(ct), ev
 
   return fn
 

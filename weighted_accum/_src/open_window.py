@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import functools
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,6 @@ from weighted_accum._src.base import AccumState
 from weighted_accum._src.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.multi_steps_step import WeightedMultiStepsState
-
-State = TypeVar("State", AccumState, WeightedMultiStepsState)
 
 _HINT = (
   "Pass the open window: an AccumState (wa.init, accumulate_*) or the "
@@ -106,7 +104,11 @@ def _discard_kernel(state: AccumState, next_loss_scale: Any) -> AccumState:
   return window.next_window(state, next_loss_scale)
 
 
-def discard(state: State, *, next_loss_scale: ArrayLike | None = None) -> State:
+def discard(
+  state: AccumState | WeightedMultiStepsState,
+  *,
+  next_loss_scale: ArrayLike | None = None,
+) -> AccumState | WeightedMultiStepsState:
   """Drops the open window: its microbatches are thrown away, unapplied.
 
   Returns the empty window a finish would open (zero buffers on the params'
