@@ -185,22 +185,5 @@ def _notebook_links(app, docname, source):
     source[0] = _NOTEBOOK_LINK.sub(r"](notebooks/\1", source[0])
 
 
-# Worked examples: each page listed here that exists is added to the index's
-# "Examples" toctree (after the guide), and the toctree is left out when none
-# does (Sphinx warns about an empty one).
-EXAMPLES = ("real_text",)
-
-
-def _examples_toctree(app, docname, source):
-  del app
-  pages = [p for p in EXAMPLES if (DOCS / f"{p}.md").is_file()]
-  if docname == "index" and pages:
-    toctree = "\n```{toctree}\n:caption: Examples\n:hidden:\n\n"
-    toctree += "".join(f"{p}\n" for p in pages) + "```\n"
-    marker = "\n```{toctree}\n:caption: Notebooks"
-    source[0] = source[0].replace(marker, toctree + marker, 1)
-
-
 def setup(app):
   app.connect("source-read", _notebook_links)
-  app.connect("source-read", _examples_toctree)

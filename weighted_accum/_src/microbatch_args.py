@@ -21,7 +21,6 @@ import numpy as np
 
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
-from weighted_accum._src import validation_args
 from weighted_accum._src.errors import WeightedAccumulationError
 
 
@@ -62,13 +61,13 @@ def configure(what: str, **kw: Any) -> Roles:
       f"{what}: pass exactly one of num_microbatches (K, the loop length) "
       "and microbatch_size (the rows per microbatch; K = batch size / it)."
     )
-  names = validation_args.argnames(
+  names = validation.argnames(
     kw["batch_argnames"], what=what, name="batch_argnames"
   )
   batch = kw["batch_argnums"]
   if batch is None:  # the default: argument 1, unless keyword batches given
     batch = () if names else 1
-  num = lambda name: validation_args.optional_argnums(
+  num = lambda name: validation.optional_argnums(
     kw[name] if name != "batch_argnums" else batch, what=what, name=name
   )
   roles = {
@@ -90,11 +89,11 @@ def configure(what: str, **kw: Any) -> Roles:
   return Roles(
     single=isinstance(kw["argnums"], (int, np.integer)),
     batch_argnames=names,
-    in_axes=validation_args.in_axes(
+    in_axes=validation.in_axes(
       kw["in_axes"], len(roles["batch_argnums"]) + len(names), what=what
     ),
     single_state=isinstance(kw["state_argnums"], (int, np.integer)),
-    split=validation_args.split(
+    split=validation.split(
       "strided" if split is None else split, what=f"{what}(split=...)"
     ),
     split_named=split is not None,
@@ -171,7 +170,7 @@ def _diff(what: str, n: int, x: Any) -> Diff:
   return Diff(treedef, mask, tuple(leaves))
 
 
-def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
+def check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
   for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums"):
     nums = getattr(roles, name)
     if nums and max(nums) >= len(args):
@@ -244,7 +243,7 @@ def _reshape(x: Any, a: int, k: int, split: str) -> tuple[Any, int]:
 
 def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
   """Checks one call's arguments against the roles and splits its batch."""
-  _check_indices(what, roles, args, kwargs)
+  check_indices(what, roles, args, kwargs)
   trees = [("arg", n, args[n]) for n in roles.batch_argnums]
   trees += [("kw", n, kwargs[n]) for n in roles.batch_argnames]
   sizes = _batch_sizes(what, roles, trees)
@@ -268,7 +267,7 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
     )
   for n in roles.key_argnums:
     for path, key in tree_utils.flat(args[n]):
-      validation_args.random_key(key, what=f"{what}: argument {n} {path}")
+      validation.random_key(key, what=f"{what}: argument {n} {path}")
   diffs = tuple(_diff(what, n, args[n]) for n in roles.argnums)
   return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs)
 

@@ -165,6 +165,7 @@ def _finish_all(cfg: Any, carry: Any) -> _Closed:
       mean=True,
       axes=cfg.axis_name or (),
       extra=extra if j == 0 else None,
+      plan=None if cfg.spmd is None else cfg.spmd.plan,
       what=_WHAT,
     )
     outs.append(out)

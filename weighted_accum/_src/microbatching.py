@@ -27,10 +27,11 @@ from weighted_accum._src import distributed as dist
 from weighted_accum._src import finishing
 from weighted_accum._src import microbatch_args as margs
 from weighted_accum._src import microbatch_terms as terms
+from weighted_accum._src import microbatching_spmd as spmd
 from weighted_accum._src import numerics
+from weighted_accum._src import replicas
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
-from weighted_accum._src import validation_args
 from weighted_accum._src.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
 
@@ -49,6 +50,10 @@ class _Config(NamedTuple):
   grads_dtype: Any  # None (the work dtype), "params" or a dtype
   loss_scale: Any
   axis_name: tuple[str, ...] | None
+  data_axes: tuple[str, ...] | None = None
+  param_specs: Any = None
+  fsdp: str = "gather_once"
+  spmd: Any = None  # inside the data_axes shard_map: a spmd.Layout
 
 
 # -------------------------------------------------------- one microbatch --
@@ -116,6 +121,8 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
 def _add(cfg, g, st, grads, ev) -> AccumState:
   w = terms.presence(ev, g.terms) if g.known else ev.weights[g.terms[0]]
   mean = cfg.mode == "mean" and not g.known
+  if cfg.spmd is not None:  # data_axes: FSDP grads may be scattered each
+    return cfg.spmd.add(st, grads, w, mean=mean, name=_WHAT)
   return accumulation.add(st, grads, w, mean=mean, name=_WHAT)
 
 
@@ -182,19 +189,25 @@ def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
 # ------------------------------------------------------------ the public --
 
 
-def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
+def _to_window(state: Any, axes: tuple[str, ...] | None):
+  """The window to add to, and whether it was this replica's block of a
+  stacked window (returned as one)."""
+  what = f"{_WHAT}(...).accumulate(state)"
   state = validation.instance(
     state,
     AccumState,
-    what=f"{_WHAT}(...).accumulate(state)",
+    what=what,
     hint="Pass the open window (from wa.init or distributed.init).",
   )
   if axes is None:
-    return state
+    return state, False
+  block = replicas.is_stacked(state)
+  if block:
+    state = replicas.unstack(state, axes, what)
   per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
   return state.replace(
     **{f: tree_utils.to_varying(getattr(state, f), axes) for f in per_replica}
-  )
+  ), block
 
 
 def _configure(loss_fn, num_microbatches, **kw) -> _Config:
@@ -213,7 +226,7 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
     has_aux=validation.static_flag(kw["has_aux"], what=f"{_WHAT}(has_aux=)"),
     roles=roles,
     dtype=validation.work_dtype(kw["dtype"], what=f"{_WHAT}(dtype=...)"),
-    grads_dtype=validation_args.grads_dtype(
+    grads_dtype=validation.grads_dtype(
       kw["grads_dtype"], what=f"{_WHAT}(grads_dtype=...)"
     ),
     loss_scale=validation.loss_scale(
@@ -222,6 +235,7 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
     axis_name=validation.optional_axis_names(
       kw["axis_name"], what=f"{_WHAT}(axis_name=...)"
     ),
+    **spmd.options(kw),
   )
 
 
@@ -274,7 +288,7 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   """``f``: one call's microbatches into fresh windows, closed."""
   p = _prepare(cfg, args, kwargs, n_real)
   names = list(p.ev.terms)
-  norms = validation_args.normalizers(
+  norms = validation.normalizers(
     normalizers, names, what=f"{_WHAT}(...)(normalizers=...)"
   )
   groups = terms.groups(names, norms)
@@ -282,6 +296,8 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   if loss_scale is not None:
     ls = validation.loss_scale(loss_scale, what=f"{_WHAT}(...)(loss_scale=)")
   params = margs.as_params(p.call, margs.diff_values(p.call), cfg.roles)
+  if cfg.spmd is not None:  # scatter_each: a carry of each FSDP shard
+    params = cfg.spmd.buffers(params)
   new = lambda: (
     accumulation.init(params, cfg.dtype, ls)
     if cfg.axis_name is None
@@ -306,11 +322,13 @@ def _accumulate(cfg: _Config, state, args, kwargs, n_real):
       f"{sorted(map(str, p.ev.terms))}; a window spanning calls has one "
       "normaliser. Return one loss, or call the function itself per batch."
     )
-  st = _to_window(state, cfg.axis_name)
+  st, block = _to_window(state, cfg.axis_name)
   groups = (terms.Group((None,), False),)
   carry = _loop(cfg, p.call, groups, {}, [st], p.n_real, p.ev, p.threaded)
-  value = carry.sums[None]
-  result = ((value, carry.aux) if cfg.has_aux else value), carry.states[0]
+  value, st = carry.sums[None], carry.states[0]
+  if block:
+    st = replicas.stack(st, cfg.axis_name)
+  result = ((value, carry.aux) if cfg.has_aux else value), st
   return _with_state(cfg, result, carry.threaded)
 
 
@@ -332,6 +350,9 @@ def microbatched_value_and_grad(
   grads_dtype: Any = None,
   loss_scale: Any = 1.0,
   axis_name: str | Sequence[str] | None = None,
+  data_axes: str | Sequence[str] | None = None,
+  param_specs: Any = None,
+  fsdp: str = "gather_once",
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over K microbatches in one loop, exact.
 
@@ -402,6 +423,35 @@ def microbatched_value_and_grad(
       axes) with this replica's rows: gradients are local and the call does
       ONE all-reduce of the sums and weights after the loop (per window of
       loss terms).
+    data_axes: call ``f`` under plain ``jax.jit`` on the global batch, its
+      batch axis sharded over these mesh axes (``Auto`` or ``Explicit``;
+      the mesh is the batch's, or ``jax.set_mesh``'s): the loop then runs
+      inside a partial-manual ``jax.shard_map`` over just these axes around
+      the ``axis_name`` path, so a call reduces the gradient sums, the
+      weights and the counters ONCE whatever K, and the returned grads keep
+      the params' shardings. Each batch leaf's rows must be divisible by
+      ``N * K`` (N: the replicas); microbatch ``k`` is then rows ``k::K`` as
+      without ``data_axes`` (``split="strided"``; ``"contiguous"`` and
+      ``state_argnums`` are refused: each replica's blocks and states would
+      be its own). Random keys (``key_argnums``) are also folded with the
+      replica's index, so replicas draw different masks. Arguments that are
+      not arrays (strings, functions) reach ``loss_fn`` unchanged. Not with
+      ``axis_name``.
+    param_specs: under ``Auto`` axes with ``data_axes``, the params'
+      ``PartitionSpec`` tree (``None`` leaves: replicated), which the types
+      do not carry there: params sharded over a data axis (FSDP) get
+      reduce-scattered gradients on their own sharding, and every gradient
+      is constrained to its param's spec. Without it every param counts as
+      replicated over the data axes (an FSDP param is then all-gathered at
+      the boundary and its gradient returned replicated). On an
+      ``Explicit`` mesh the specs are read from the params' types.
+    fsdp: with ``data_axes``, how the gradients of params sharded over a
+      data axis are reduced (the params are gathered once per call either
+      way): ``"gather_once"`` keeps a full-size per-replica carry and
+      reduce-scatters it once per call (bytes P per call, memory P);
+      ``"scatter_each"`` reduce-scatters each microbatch's weighted
+      gradient into a carry of the param's shard (bytes K * P, carry P/N).
+      ``docs/scaling.md`` has the measured figures.
 
   Returns:
     ``f(*args, num_real_microbatches=None, loss_scale=None,
@@ -427,6 +477,16 @@ def microbatched_value_and_grad(
     (``(((loss_sum, weight), aux), state)`` with ``has_aux``; paired with
     the last threaded state with ``state_argnums``), the call's unscaled
     loss sum and weight; it uses the state's work dtype and loss scale.
+    With ``data_axes``, ``aux`` leaves are ``[K, N, ...]`` (``aux[k, r]``
+    replica ``r``'s value for its rows of microbatch ``k``, sharded over
+    the data axes on dimension 1), and ``f.accumulate`` takes a per-replica
+    window stacked over the replicas
+    (:func:`weighted_accum.distributed.init` called outside ``shard_map``)
+    and runs no collective: ``loss_sum`` and ``weight`` are per replica,
+    ``[N]``; close the window with
+    ``wa.apply_window(..., axis_name=data_axes)`` (one reduction). Inside
+    ``shard_map`` with ``axis_name`` it also takes this replica's block of
+    such a window (leading dimension 1) and returns one.
 
   Raises:
     WeightedAccumulationError: for an invalid configuration, arguments that
@@ -434,7 +494,10 @@ def microbatched_value_and_grad(
       divisible by K, a ``loss_fn`` that does not return ``(loss, weight)``,
       a loss that is not a floating scalar, a returned state shaped unlike
       the state argument, ``num_real_microbatches`` without ``split``, an
-      unbound ``axis_name``, or (eagerly) a call whose total weight is 0.
+      unbound ``axis_name``, ``data_axes`` that the batch's mesh does not
+      have or whose replicas times K do not divide the batch, FSDP param
+      specs the reduce-scatter cannot produce, or (eagerly) a call whose
+      total weight is 0.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -467,14 +530,29 @@ def microbatched_value_and_grad(
     grads_dtype=grads_dtype,
     loss_scale=loss_scale,
     axis_name=axis_name,
+    data_axes=data_axes,
+    param_specs=param_specs,
+    fsdp=fsdp,
   )
+  return _functions(cfg)
+
+
+def _functions(cfg: _Config) -> Callable[..., Any]:
+  """``f`` and its ``.accumulate`` for one configuration."""
 
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
   ):
-    return _step(cfg, args, kw, num_real_microbatches, loss_scale, normalizers)
+    call = (args, kw, num_real_microbatches, loss_scale, normalizers)
+    if cfg.data_axes is not None:
+      return spmd.value_and_grad(cfg, _step, call)
+    return _step(cfg, *call)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
+    if cfg.data_axes is not None:
+      return spmd.accumulate(
+        cfg, _accumulate, state, (args, kw, num_real_microbatches)
+      )
     return _accumulate(cfg, state, args, kw, num_real_microbatches)
 
   f.accumulate = accumulate

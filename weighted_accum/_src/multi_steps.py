@@ -207,6 +207,8 @@ class WeightedMultiSteps:
     ([-1.0, -2.0], True)
   """
 
+  _who = "WeightedMultiSteps"  # how errors name the constructor
+
   def __init__(
     self,
     opt: optax.GradientTransformation,
@@ -221,7 +223,7 @@ class WeightedMultiSteps:
     skip_nonfinite_updates: bool = False,
   ):
     self._cfg = step.configure(
-      "WeightedMultiSteps",
+      self._who,
       opt=opt,
       every_k_schedule=every_k_schedule,
       use_grad_mean=use_grad_mean,
@@ -345,7 +347,7 @@ def weighted_multi_steps(
     >>> params['w'].tolist()   # 1 - (3*1 + 1*5)/4, -1 - 1
     [-1.0, -2.0]
   """
-  return WeightedMultiSteps(
+  return _FunctionalForm(
     opt,
     every_k_schedule,
     use_grad_mean,
@@ -356,3 +358,9 @@ def weighted_multi_steps(
     axis_name=axis_name,
     skip_nonfinite_updates=skip_nonfinite_updates,
   ).gradient_transformation()
+
+
+class _FunctionalForm(WeightedMultiSteps):
+  """:func:`weighted_multi_steps`' wrapper: its errors name the function."""
+
+  _who = "weighted_multi_steps"

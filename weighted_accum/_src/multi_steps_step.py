@@ -115,9 +115,14 @@ class Config(NamedTuple):
 def configure(who: str, **kw: Any) -> Config:
   """Validates the constructor's arguments (optax's names), naming each."""
   validation.transformation(kw["opt"], what=f"{who}(opt)")
+  dt = validation.work_dtype(
+    kw["accumulator_dtype"], what=f"{who}(accumulator_dtype=...)"
+  )
   ls = kw["loss_scale"]
   if not isinstance(ls, DynamicLossScale):
-    ls = validation.loss_scale(ls, what=f"{who}(loss_scale=...)")
+    ls = validation.loss_scale(
+      ls, what=f"{who}(loss_scale=...)", dtype=numerics.tally_dtype(dt)
+    )
   return Config(
     inner=optax.with_extra_args_support(kw["opt"]),
     every_k=validation.every_k(
@@ -132,9 +137,7 @@ def configure(who: str, **kw: Any) -> Config:
       hint="Pass a function (updates, gradient_step, params) -> "
       "(should_skip, skip_state), e.g. optax.skip_not_finite, or None.",
     ),
-    dtype=validation.work_dtype(
-      kw["accumulator_dtype"], what=f"{who}(accumulator_dtype=...)"
-    ),
+    dtype=dt,
     mode=validation.mode(kw["mode"], what=f"{who}(mode=...)"),
     loss_scale=ls,
     axis_name=validation.optional_axis_names(
@@ -236,7 +239,7 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
     )
     w = accumulation.convert_weight(accum, total, name)
     skip, skip_state = _skip_verdict(
-      cfg, _global_grads(grads, total, mean), state, params
+      cfg, _global_grads(grads, total.hi + total.lo, mean), state, params
     )
     mean = False  # the global contribution is a sum already
   if skip is not None:

@@ -2,9 +2,9 @@
 called: argument roles (indices, keyword names, batch axes), the split, the
 gradients' dtype, random keys and loss-term normalisers.
 
-A companion of :mod:`weighted_accum._src.validation` (built on its scalar
-conversions), kept apart so that neither module outgrows the layout's size
-limit. Each function returns the value to store, or raises a
+Part of the validation package (built on its scalar conversions and option
+checks; callers use ``validation.in_axes(...)`` etc.). Each function returns
+the value to store, or raises a
 :class:`~weighted_accum.WeightedAccumulationError` naming the argument.
 """
 
@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weighted_accum._src import validation
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.tree_utils import is_traced
+from weighted_accum._src.validation import options
+from weighted_accum._src.validation import values
 
 #: How rows are dealt to microbatches (``split=``).
 SPLITS = ("strided", "contiguous")
@@ -33,10 +34,11 @@ def _is_int(a: Any) -> bool:
 
 
 def optional_argnums(x: Any, *, what: str, name: str) -> tuple[int, ...]:
-  """:func:`validation.argnums`, or ``()`` for an empty tuple or list."""
+  """Argument indices (``validation.argnums``), or ``()`` for an empty
+  tuple or list."""
   if isinstance(x, (tuple, list)) and not x:
     return ()
-  return validation.argnums(x, what=what, name=name)
+  return options.argnums(x, what=what, name=name)
 
 
 def argnames(x: Any, *, what: str, name: str) -> tuple[str, ...]:
@@ -77,7 +79,7 @@ def in_axes(x: Any, n: int, *, what: str) -> tuple[int, ...]:
 
 def split(x: Any, *, what: str) -> str:
   """How rows are dealt to microbatches: ``"strided"`` or ``"contiguous"``."""
-  return validation.choice(
+  return options.choice(
     x,
     SPLITS,
     what=what,
@@ -94,7 +96,7 @@ def grads_dtype(x: Any, *, what: str) -> np.dtype | str | None:
   if x is None or (isinstance(x, str) and x == "params"):
     return x
   try:
-    return validation.work_dtype(x, what=what)
+    return values.work_dtype(x, what=what)
   except WeightedAccumulationError as e:
     raise WeightedAccumulationError(
       f"{e} Or pass grads_dtype='params' for each param's own dtype, or "
@@ -127,10 +129,10 @@ def normalizer(x: Any, *, what: str) -> Any:
   positive real scalar. A traced invalid one comes back as NaN (the result
   is then invalid)."""
   if is_traced(x):
-    validation.traced_scalar(x, what, NORMALIZER_NOUN)
+    values.traced_scalar(x, what, NORMALIZER_NOUN)
     v = x.astype(jnp.float32)
     return jnp.where(jnp.isfinite(v) & (v > 0), v, jnp.nan)
-  v = validation.host_number(x, what=what, noun=NORMALIZER_NOUN)
+  v = values.host_number(x, what=what, noun=NORMALIZER_NOUN)
   with np.errstate(over="ignore"):
     stored = np.float32(v) if math.isfinite(v) else np.float32(np.nan)
   if not (np.isfinite(stored) and stored >= np.finfo(np.float32).tiny):
