@@ -84,7 +84,9 @@ def test_discard_opens_an_empty_window_on_the_params_shardings(
   params = place(cast(host_params(), dtype), placement)
   g = place(cast(host_grads(bad=math.nan), dtype), placement)
   s = wa.accumulate_sum(wa.init(params, dtype=dtype, loss_scale=4.0), g, 2)
-  new = _DISCARD(s, 8.0) if context == "jit" else wa.discard(s, next_loss_scale=8.0)
+  new = (
+    _DISCARD(s, 8.0) if context == "jit" else wa.discard(s, next_loss_scale=8.0)
+  )
   assert float(new.total_weight) == 0.0 and int(new.issued) == 0
   assert int(new.windows) == int(s.windows) + 1
   assert float(new.loss_scale) == 8.0

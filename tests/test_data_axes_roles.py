@@ -39,7 +39,9 @@ class _Mesh:
     self.explicit, self.specs = explicit, specs
 
   def context(self):
-    return jax.set_mesh(self.mesh) if self.explicit else contextlib.nullcontext()
+    return (
+      jax.set_mesh(self.mesh) if self.explicit else contextlib.nullcontext()
+    )
 
   def put(self, tree, spec):
     with self.context():
@@ -138,7 +140,9 @@ def test_loss_terms_and_known_normalizer(name):
   np.testing.assert_allclose(
     float(loss["err"]), (m64 * (pred - y64) ** 2).sum() / m64.sum(), rtol=1e-5
   )
-  np.testing.assert_allclose(float(loss["l2"]), (pred**2).sum() / ROWS, rtol=1e-5)
+  np.testing.assert_allclose(
+    float(loss["l2"]), (pred**2).sum() / ROWS, rtol=1e-5
+  )
   assert float(out.weight["err"]) == float(m.sum()) and bool(out.valid)
 
 
@@ -153,8 +157,13 @@ def test_random_keys_differ_across_replicas_and_microbatches():
   w, x, y, m = _data(2)
   batch = mesh.put({"x": x.T, "y": y, "m": m}, P("data"))
   f = wa.microbatched_value_and_grad(
-    _noisy_loss, K, mode="sum", has_aux=True, batch_argnums=2,
-    key_argnums=1, data_axes="data",
+    _noisy_loss,
+    K,
+    mode="sum",
+    has_aux=True,
+    batch_argnums=2,
+    key_argnums=1,
+    data_axes="data",
   )
   (_, noise), out = jax.jit(f)(mesh.put(w, P()), jax.random.key(0), batch)
   noise = np.asarray(noise)  # [K, N, rows per replica per microbatch]
@@ -173,7 +182,11 @@ def test_accumulate_with_keyword_batch_into_a_stacked_window():
   _, x2, y2, m2 = _data(4)
   params = {"w": mesh.put(w, P()), "act": lambda z: z}
   f = wa.microbatched_value_and_grad(
-    _loss, K, mode="sum", batch_argnames=("xs", "rows"), in_axes=(1, 0),
+    _loss,
+    K,
+    mode="sum",
+    batch_argnames=("xs", "rows"),
+    in_axes=(1, 0),
     data_axes="data",
   )
   state = dist.init({"w": params["w"]}, "data")
@@ -191,13 +204,20 @@ def test_accumulate_with_keyword_batch_into_a_stacked_window():
     state, wsum = mid(state, params["w"], xs, rows)
     assert wsum.shape == (N,)
   tx = optax.sgd(1.0)
-  close = jax.jit(lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name="data"))
+  close = jax.jit(
+    lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name="data")
+  )
   p = {"w": params["w"]}
   new, _, _, out = close(state, p, tx.init(p))
   ref = _ref_grad(
-    w, np.concatenate([x, x2], 1), np.concatenate([y, y2]), np.concatenate([m, m2])
+    w,
+    np.concatenate([x, x2], 1),
+    np.concatenate([y, y2]),
+    np.concatenate([m, m2]),
   )
-  np.testing.assert_allclose(np.asarray(new["w"]) - w, -ref, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(new["w"]) - w, -ref, rtol=1e-5, atol=1e-6
+  )
   assert bool(out.valid)
 
 
@@ -216,10 +236,14 @@ def test_refused_roles_are_named(kw, match):
   mesh = MESHES["auto"]()
   w, x, y, m = _data()
   batch = mesh.put({"x": x.T, "y": y, "m": m}, P("data"))
-  loss = _stateful_loss if "state_argnums" in kw else (
-    lambda w, b: (jnp.sum(b["m"] * (b["x"] @ w) ** 2), jnp.sum(b["m"]))
+  loss = (
+    _stateful_loss
+    if "state_argnums" in kw
+    else (lambda w, b: (jnp.sum(b["m"] * (b["x"] @ w) ** 2), jnp.sum(b["m"])))
   )
-  f = wa.microbatched_value_and_grad(loss, K, mode="sum", data_axes="data", **kw)
+  f = wa.microbatched_value_and_grad(
+    loss, K, mode="sum", data_axes="data", **kw
+  )
   args = (w, jnp.int32(0), batch) if "state_argnums" in kw else (w, batch)
   with pytest.raises(Error, match=match):
     jax.jit(f)(*args)
