@@ -87,3 +87,26 @@ def multiprocess_data():
   blocks = m.reshape(MP_K, replicas, MP_B)
   blocks[:, MP_LOCAL_DEVICES:, 1:] = 0.0
   return x, y, blocks.reshape(MP_K, -1)
+
+
+def data_axes_batch(x, y, m):
+  """The window ``x [K, R*B, D]`` (replica r owns columns ``r*B:(r+1)*B``)
+  as one global batch for ``data_axes``: replica r's rows hold its item i
+  of microbatch k at local row ``i * K + k``, so its microbatch k (local
+  rows ``k::K``) is the same items."""
+  k, n = m.shape
+  replicas = MP_PROCESSES * MP_LOCAL_DEVICES
+  b = n // replicas
+
+  def rows(a):
+    a = a.reshape((k, replicas, b) + a.shape[2:])
+    a = np.moveaxis(a, 0, 2)  # [R, B, K, ...]
+    return a.reshape((replicas * b * k,) + a.shape[3:])
+
+  return {"x": rows(x), "y": rows(y), "m": rows(m)}
+
+
+def loss_of_batch(p, batch):
+  """``(loss sum, item count)`` of a microbatch dict, for
+  ``microbatched_value_and_grad``."""
+  return loss_sum(p, batch["x"], batch["y"], batch["m"]), jnp.sum(batch["m"])

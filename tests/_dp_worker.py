@@ -8,6 +8,9 @@ CPU collectives) and run:
 
 1. Explicit style: shard_map over 'data' with local gradients, one reduction
    per window (distributed.finish_mean), unequal local weights.
+   Then the in-step data_axes style (microbatched_value_and_grad under plain
+   jit over the global batch): its grads and its compiled step's reduction
+   over the data axis (bytes and count).
 2. Implicit style: jit over global arrays, params and accumulator buffers
    sharded over all 8 devices (both processes); after MP_SAVE_AFTER
    microbatches the accumulator is saved with an Orbax CheckpointManager
@@ -28,6 +31,10 @@ import sys
 
 def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
   # pylint: disable=g-import-not-at-top
+  # The package and benchmarks/ of this checkout (not an installed copy).
+  sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  )
   # jax is imported here, after the caller's XLA_FLAGS took effect.
   import jax
 
@@ -69,7 +76,7 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
 
   host_params = common.make_params(0)
   x, y, m = common.multiprocess_data()
-  results = {}
+  results = {"package": np.asarray(os.path.abspath(wa.__file__))}
 
   # 1. Explicit style.
   params = jax.tree.map(lambda a: global_array(a, P()), host_params)
@@ -97,6 +104,11 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
     m.reshape(common.MP_K, 8, -1)[:, 4 * process_id : 4 * process_id + 4].sum()
   )
   results["local_weight"] = np.float32(local_w)
+
+  # 2a. In-step data_axes style: microbatched_value_and_grad under plain jit
+  # over the global batch (replica r's rows hold its items of microbatch k at
+  # local rows k::K), one reduction per call.
+  results.update(_data_axes_case(mesh, host_params, x, y, m, global_array))
 
   # 2. Implicit style, FSDP over all 8 devices, checkpoint mid-window.
   fsdp = {"w1": P(None, "data"), "b1": P("data"), "w2": P("data")}
@@ -176,6 +188,41 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
   np.savez(out_path, **results)
   jax.distributed.shutdown()
   print(f"process {process_id}: done", flush=True)
+
+
+def _data_axes_case(mesh, host_params, x, y, m, global_array) -> dict:
+  """The window's items as one global batch for ``data_axes``: its grads,
+  weight and the compiled step's reduction over the data axis."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from jax.sharding import PartitionSpec as P
+  import numpy as np
+
+  import _dp_common as common
+  from benchmarks import hlo
+  import weighted_accum as wa
+
+  batch = common.data_axes_batch(x, y, m)
+  batch = {k: global_array(v, P("data")) for k, v in batch.items()}
+  params = jax.tree.map(lambda a: global_array(a, P()), host_params)
+  f = jax.jit(
+    wa.microbatched_value_and_grad(
+      common.loss_of_batch, common.MP_K, mode="sum", data_axes="data"
+    )
+  )
+  stats = hlo.hlo_stats(f.lower(params, batch).compile())
+  groups = hlo.mesh_groups(mesh, "data")
+  _, out = f(params, batch)
+  res = {
+    f"data_axes/{k}": np.asarray(v.addressable_data(0))
+    for k, v in out.grads.items()
+  }
+  res["data_axes_weight"] = np.asarray(out.weight.addressable_data(0))
+  res["data_axes_bytes"] = np.int64(hlo.all_reduced_bytes(stats, groups))
+  res["data_axes_reductions"] = np.int64(
+    stats.count("all-reduce", groups) + stats.count("reduce-scatter", groups)
+  )
+  return res
 
 
 if __name__ == "__main__":

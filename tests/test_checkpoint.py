@@ -1,4 +1,4 @@
-"""Tests for weighted_accum.checkpoint (issue 4).
+"""Orbax checkpoints of accumulator state (``weighted_accum.checkpoint``).
 
 References are independent of the code under test: an uninterrupted run
 (in this process) against a resumed one (in a fresh process), NumPy copies

@@ -221,3 +221,56 @@ def _two_windows_model(tx):
     mean = _mean_grad({k: np.asarray(v) for k, v in ref.items()}, window)
     ref = {k: ref[k] - 0.1 * mean[k] for k in ref}
   assert_close(p, ref, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------ across steps: a stacked window through shard_map --
+
+
+def _on_mesh(tree):
+  return jax.device_put(tree, jax.sharding.NamedSharding(MESH, P()))
+
+
+def test_window_specs_carry_a_stacked_window_through_shard_map():
+  """A window from distributed.init outside shard_map goes in and out of
+  two jitted shard_map steps with dist.window_specs (each replica adds its
+  own unequal weight) and is closed by distributed.finish_mean: the mean of
+  the two microbatches' rows, in float64."""
+  hp = host_params()
+  state = dist.init(_on_mesh(hp), "data")
+  sp = dist.window_specs(state, "data")
+
+  def mid(s, p, x, y, m):
+    g = jax.grad(_loss)(p, x, y, m)
+    return dist.accumulate_sum(s, g, jnp.sum(m), "data")
+
+  def close(s):
+    out, _ = dist.finish_mean(s, "data")
+    return out.grads, out.valid
+
+  rows = (P("data"),) * 3
+  step = jax.jit(
+    jax.shard_map(mid, mesh=MESH, in_specs=(sp, P(), *rows), out_specs=sp)
+  )
+  fin = jax.jit(
+    jax.shard_map(close, mesh=MESH, in_specs=(sp,), out_specs=(P(), P()))
+  )
+  batches = [_batch(1), _batch(2)]
+  for b in batches:
+    state = step(state, hp, *b)
+  grads, valid = fin(state)
+  assert bool(valid)
+  assert_close(grads, _mean_grad(hp, batches), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("axis_name", [3, "", None, ("data", 3)])
+def test_window_specs_refuses_a_bad_axis_name(axis_name):
+  with pytest.raises(Error, match=r"window_specs: axis_name="):
+    dist.window_specs(dist.init(_on_mesh(host_params()), "data"), axis_name)
+
+
+@pytest.mark.parametrize("kind", ["params", "unstacked"])
+def test_window_specs_refuses_what_is_not_a_stacked_window(kind):
+  hp = host_params()
+  state = hp if kind == "params" else wa.init(hp)
+  with pytest.raises(Error, match=r"window_specs\(state\)"):
+    dist.window_specs(state, "data")

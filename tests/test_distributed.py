@@ -1,4 +1,4 @@
-"""Data parallelism: exact global weighting across replicas (issue 6).
+"""Data parallelism: exact global weighting across replicas.
 
 Every equivalence is against an independent reference: the single-device
 full-batch gradient of the window's mean loss over the concatenated data
@@ -722,9 +722,17 @@ def test_two_processes_equal_single_process_reference(tmp_path):
 
   x, y, m = common.multiprocess_data()
   ref = common.reference_grad(common.make_params(0), x, y, m)
+  one_process = _data_axes_bytes(x, y, m)
   local_weights = []
   for i, path in enumerate(outs):
     r = np.load(path)
+    assert str(r["package"]).startswith(str(WORKER.parent.parent))
+    got = {k: r[f"data_axes/{k}"] for k in ref}
+    _record(f"2 processes x 4 devices, data_axes (process {i})", got, ref)
+    assert float(r["data_axes_weight"]) == pytest.approx(float(m.sum()))
+    # The per-process compiled step reduces once, the bytes of one process.
+    assert int(r["data_axes_reductions"]) == 1
+    assert int(r["data_axes_bytes"]) == one_process
     for style in ("explicit", "implicit"):
       got = {k: r[f"{style}/{k}"] for k in ref}
       _record(f"2 processes x 4 devices, {style} (process {i})", got, ref)
@@ -735,6 +743,28 @@ def test_two_processes_equal_single_process_reference(tmp_path):
     assert r["resume_bitwise"], "resumed window differs from uninterrupted"
     local_weights.append(float(r["local_weight"]))
   assert local_weights[0] > 3 * local_weights[1] > 0  # really unequal
+
+
+def _data_axes_bytes(x, y, m) -> int:
+  """The data-axis bytes one process's 8-device compiled data_axes step
+  reduces: one all-reduce of the gradient tree plus 8 float32 scalars (the
+  weight pair's 5 limbs, issued, the loss sum, the rejected count)."""
+  from benchmarks import hlo  # pylint: disable=g-import-not-at-top
+
+  mesh = _mesh1d()
+  params = jax.device_put(common.make_params(0), NamedSharding(mesh, P()))
+  batch = jax.device_put(
+    common.data_axes_batch(x, y, m), NamedSharding(mesh, P("data"))
+  )
+  f = jax.jit(
+    wa.microbatched_value_and_grad(
+      common.loss_of_batch, common.MP_K, mode="sum", data_axes="data"
+    )
+  )
+  compiled = f.lower(params, batch).compile()
+  got = hlo.all_reduced_bytes(compiled, hlo.mesh_groups(mesh, "data"))
+  assert got == hlo.tree_bytes(params) + 4 * 8
+  return got
 
 
 # ------------------------------------------------------------- optax wrapper

@@ -1,5 +1,5 @@
-"""Tests for weighted_accum.loss_scale (issue 13): the window-level dynamic
-loss scale.
+"""The window-level dynamic loss scale: ``DynamicLossScale`` and
+``set_loss_scale``.
 
 References are independent of the code under test: a pure-Python transcript
 of PyTorch GradScaler's update rule (``_amp_update_scale_``) plus the

@@ -17,6 +17,7 @@ from weighted_accum._src.local_grads import local_grad as local_grad
 from weighted_accum._src.local_grads import (
   local_value_and_grad as local_value_and_grad,
 )
+from weighted_accum._src.replicas import window_specs as window_specs
 
 __all__ = [
   "REDUCE_MODES",
@@ -28,4 +29,5 @@ __all__ = [
   "local_grad",
   "local_value_and_grad",
   "reduce_sums",
+  "window_specs",
 ]

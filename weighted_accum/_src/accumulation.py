@@ -373,6 +373,14 @@ def add(
     hint="Pass the window from wa.init (or the previous call) first, then "
     "the grads and the weight.",
   )
+  if np.ndim(state.weight_hi):
+    raise WeightedAccumulationError(
+      f"{name}(state): this window is per replica, stacked over "
+      f"{np.shape(state.weight_hi)[0]} replicas (distributed.init outside "
+      "shard_map). Add to it inside shard_map with the distributed "
+      "functions, or with f.accumulate of microbatched_value_and_grad("
+      "..., data_axes=...) under jit."
+    )
   checked = validation.static_flag(checked, what=f"{name}(checked=...)")
   leaves, placed, grads_sig = _structure(state, grads, name)
   w = convert_weight(state, weight, name)

@@ -37,8 +37,8 @@ __all__ = [
 
 #: Key of this library's options in the item's Orbax custom metadata.
 OPTIONS_KEY = "weighted_accum"
-#: The format version written (the counters are those of the table in
-#: ``weighted_accum._counters``; a change to what is written bumps it).
+#: The format version written (the counters are those of ``AccumState``'s
+#: counter fields, ``base.COUNTERS``; a change to what is written bumps it).
 FORMAT_VERSION = 1
 #: Format versions this module can read.
 SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)

@@ -24,6 +24,7 @@ from weighted_accum._src import accumulation
 from weighted_accum._src import base
 from weighted_accum._src import local_grads
 from weighted_accum._src import numerics
+from weighted_accum._src import replicas
 from weighted_accum._src import tree_utils as _tree
 from weighted_accum._src import validation
 from weighted_accum._src import window
@@ -76,14 +77,19 @@ def init(
   dtype: DTypeLike = jnp.float32,
   loss_scale: ArrayLike = 1.0,
 ) -> AccumState:
-  """An empty per-replica window for ``reduce="window"`` inside shard_map.
+  """An empty per-replica window for ``reduce="window"``.
 
-  Like :func:`weighted_accum.init`, then every per-replica leaf (buffers,
-  counts, weight) is cast to varying over ``axis_name``, so the state can be
-  the carry of a ``lax.scan`` over microbatches (whose carry type may not
-  change). ``windows`` and ``loss_scale`` stay unvarying. For
-  ``reduce="microbatch"`` use plain :func:`weighted_accum.init`: its state
-  stays identical on every replica.
+  Inside ``shard_map``: like :func:`weighted_accum.init`, then every
+  per-replica leaf (buffers, counts, weight) is cast to varying over
+  ``axis_name``, so the state can be the carry of a ``lax.scan`` over
+  microbatches (whose carry type may not change). ``windows`` and
+  ``loss_scale`` stay unvarying. For ``reduce="microbatch"`` use plain
+  :func:`weighted_accum.init`: its state stays identical on every replica.
+
+  Outside ``shard_map`` (params on a mesh with ``axis_name``): a STACKED
+  window to carry between jitted steps, each per-replica field with a
+  leading replica axis sharded over ``axis_name`` (buffers ``[N,
+  *param.shape]``: full-size partial sums); see :func:`window_specs`.
 
   Args:
     params: the (local) params, as for :func:`weighted_accum.init`.
@@ -92,11 +98,13 @@ def init(
     loss_scale: the window's loss scale, the same on every replica.
 
   Returns:
-    An empty :class:`~weighted_accum.AccumState` typed per replica.
+    An empty :class:`~weighted_accum.AccumState` typed per replica, or
+    stacked outside ``shard_map``.
 
   Raises:
-    WeightedAccumulationError: as :func:`weighted_accum.init`, or for an
-      unbound axis.
+    WeightedAccumulationError: as :func:`weighted_accum.init`, for an axis
+      not bound by the enclosing ``shard_map``, or (outside one) params on
+      no mesh with ``axis_name``.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -111,6 +119,10 @@ def init(
     ...                                  out_specs=P()), jnp.zeros(3))
     False
   """
+  if not _tree.manual_axes():  # outside shard_map: a stacked window
+    names = validation.axis_names(axis_name, what="distributed.init")
+    s = accumulation.init(params, dtype=dtype, loss_scale=loss_scale)
+    return replicas.init(s, params, names, "distributed.init")
   axes = _axes(axis_name, "distributed.init")
   s = accumulation.init(params, dtype=dtype, loss_scale=loss_scale)
   per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
@@ -157,6 +169,10 @@ def _accumulate(
     hint="Pass the window from distributed.init (reduce='window') or "
     "weighted_accum.init (reduce='microbatch').",
   )
+  if replicas.is_stacked(state):  # this replica's block of a stacked window
+    kw = dict(mean=mean, reduce=reduce, checked=checked, name=name)
+    state = replicas.unstack(state, axes, what)
+    return replicas.stack(_accumulate(state, grads, weight, axes, **kw), axes)
   add = functools.partial(
     accumulation.add, checked=checked, name=what, allow_reduced=True
   )
@@ -180,7 +196,11 @@ def _accumulate(
   # contribution, the others add nothing; finish_mean's psum restores it
   # exactly (no division by the replica count, no rounding).
   owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
-  gweight = jnp.where(owner | jnp.isnan(gweight), gweight, 0.0)
+  gweight = validation.Weight(
+    jnp.where(owner, gweight.hi, 0.0),
+    jnp.where(owner, gweight.lo, 0.0),
+    gweight.ok,
+  )
   # The window's buffers are per replica from here on (typed varying).
   contrib = _tree.to_varying(contrib, axes)
   treedef = jax.tree.structure(state.grads)
@@ -195,10 +215,10 @@ def reduce_microbatch(
   *,
   mean: bool,
   what: str,
-) -> tuple[Any, jax.Array]:
+) -> tuple[Any, validation.Weight]:
   """One microbatch's global contribution (a tree like the buffers, the sum
-  over the replicas, each leaf summed once) and its global weight (NaN when
-  a replica's weight is invalid): one collective round, inside
+  over the replicas, each leaf summed once) and its global weight (an exact
+  pair, see :func:`global_contribution`): one collective round, inside
   ``shard_map``. For a window that is the same on every replica."""
   leaves = accumulation.check_structure(state, grads, what)
   reduced = local_grads.leaf_status(
@@ -219,9 +239,14 @@ def global_contribution(
   mean: bool,
   reduced: bool,
   what: str,
-) -> tuple[list[Any], jax.Array]:
-  """The microbatch's global contribution to the sums and its global weight
-  (NaN, which rejects it, when any replica's weight is invalid)."""
+) -> tuple[list[Any], validation.Weight]:
+  """The microbatch's global contribution to the sums and its global weight.
+
+  The weight is a :class:`validation.Weight` whose ``(hi, lo)`` is the exact
+  sum of the replicas' converted weights, summed in the same collective
+  round as the sums (``window.psum_window``'s limbs); it is not ``ok``
+  (zero parts, which rejects the microbatch) when any replica's weight is
+  invalid."""
   dt = state.dtype
   # The converted weight, zero where invalid (subnormal or out-of-range
   # weights follow the core's rules).
@@ -242,26 +267,43 @@ def global_contribution(
     # Every replica divided by the same count n: n * grads is the sum of the
     # replicas' loss-sum gradients, and the global weight is n * replicas.
     contrib = [numerics.mean_contribution(g, w_ok, dt) for g in leaves]
-    total, n_bad = w_ok * _axes_size(axes), bad.astype(jnp.float32)
-  elif reduced:
-    contrib = leaves
-    total, n_bad = jax.lax.psum((w_ok, bad.astype(jnp.float32)), axes)
-  else:  # local gradients, reduce="microbatch": one psum of sums and weight
-    take = ~bad & (w_ok > 0)
-    zero = jnp.zeros((), dt)
-    contrib = [
-      jnp.where(
-        take,
-        numerics.mean_contribution(g, w_ok, dt) if mean else g.astype(dt),
-        zero,
-      )
-      for g in leaves
-    ]
-    contrib, total, n_bad = jax.lax.psum(
-      (contrib, w_ok, bad.astype(jnp.float32)), axes
+    total = validation.weight(
+      w_ok * _axes_size(axes), what=what, tally=w_ok.dtype
     )
-  # Any replica's invalid weight rejects the microbatch on every replica.
-  return contrib, jnp.where(n_bad > 0, jnp.nan, total)
+    return contrib, validation.Weight(total.hi, total.lo, total.ok & ~bad)
+  if reduced:
+    return leaves, _global_weight([], wt, axes)[1]
+  # Local gradients, reduce="microbatch": one psum of sums and weight.
+  take = ~bad & (w_ok > 0)
+  zero = jnp.zeros((), dt)
+  contrib = [
+    jnp.where(
+      take,
+      numerics.mean_contribution(g, w_ok, dt) if mean else g.astype(dt),
+      zero,
+    )
+    for g in leaves
+  ]
+  return _global_weight(contrib, wt, axes)
+
+
+def _global_weight(
+  sums: list[Any], wt: validation.Weight, axes: tuple[str, ...]
+) -> tuple[list[Any], validation.Weight]:
+  """``sums`` and the weight pair summed in one collective round; any
+  replica's invalid weight rejects the microbatch on every replica."""
+  scalars = {
+    "weight_hi": jnp.asarray(wt.hi),
+    "weight_lo": jnp.asarray(wt.lo),
+    "bad": ~jnp.asarray(wt.ok),
+  }
+  sums, total = window.psum_window(
+    sums, scalars, axes, vma_on=_tree.vma_checked(axes)
+  )
+  ok = total["bad"] == 0
+  zero = jnp.zeros((), total["weight_hi"].dtype)
+  hi, lo = (jnp.where(ok, total[k], zero) for k in window.PAIR)
+  return sums, validation.Weight(hi, lo, ok)
 
 
 def accumulate_sum(
@@ -519,7 +561,6 @@ def finish_mean(
     1.5
   """
   what = "distributed.finish_mean"
-  axes = _axes(axis_name, what)
   reduce = _check_reduce(reduce, what)
   validation.instance(
     state,
@@ -532,6 +573,9 @@ def finish_mean(
     what=f"{what}(next_loss_scale=...)",
     dtype=state.loss_scale.dtype,
   )
+  if replicas.is_stacked(state) and reduce == "window":
+    return _finish_stacked(state, axis_name, next_loss_scale)
+  axes = _axes(axis_name, what)
   if reduce == "microbatch":
     if _tree.vma_checked(axes):
       _check_global_window(state, axes, what)
@@ -544,3 +588,18 @@ def finish_mean(
     state, mean=True, next_loss_scale=next_loss_scale, axes=axes, what=what
   )
   return out, new_state
+
+
+def _finish_stacked(
+  state: AccumState, axis_name: AxisName, next_loss_scale: Any
+) -> tuple[AccumulatedGradients, AccumState]:
+  """``finish_mean`` of a stacked per-replica window: of this replica's
+  block inside ``shard_map``, or of the whole under plain ``jit``."""
+  what = "distributed.finish_mean"
+  axes = validation.axis_names(axis_name, what=what)
+  if not replicas.bound(axes):
+    return replicas.finish_mean(state, axes, next_loss_scale)
+  out, new = finish_mean(
+    replicas.unstack(state, axes, what), axes, next_loss_scale=next_loss_scale
+  )
+  return out, replicas.stack(new, axes)

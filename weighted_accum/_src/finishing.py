@@ -16,6 +16,8 @@ from jax.typing import ArrayLike
 import optax
 
 from weighted_accum._src import numerics
+from weighted_accum._src import replicas
+from weighted_accum._src import spmd_layout
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
 from weighted_accum._src import window
@@ -26,10 +28,19 @@ from weighted_accum._src.errors import WeightedAccumulationError
 _STATE_HINT = "Pass the window (an AccumState from wa.init or a finish)."
 
 
-def _window(state: Any, what: str) -> AccumState:
-  return validation.instance(
+def _window(state: Any, what: str, stacked_ok: bool = False) -> AccumState:
+  state = validation.instance(
     state, AccumState, what=f"{what}(state)", hint=_STATE_HINT
   )
+  if not stacked_ok and replicas.is_stacked(state):
+    raise WeightedAccumulationError(
+      f"{what}(state): this window is per replica, stacked over "
+      f"{jnp.shape(state.weight_hi)[0]} replicas (distributed.init outside "
+      "shard_map). Close it with apply_window(..., axis_name=...) or "
+      "weighted_accum.distributed.finish_mean(state, axis_name): one "
+      "reduction of the replicas' sums."
+    )
+  return state
 
 
 def _next_scale(state: AccumState, value: Any, what: str) -> Any:
@@ -299,7 +310,11 @@ def apply_window(
     ([-1.0, -2.0], True, 0)
   """
   validation.transformation(tx, what="apply_window(tx)")
-  state = _window(state, "apply_window")
+  state = _window(state, "apply_window", stacked_ok=True)
+  if replicas.is_stacked(state):
+    return _apply_stacked(
+      tx, state, params, opt_state, next_loss_scale, axis_name
+    )
   tree_utils.match_tree(
     state.grads,
     params,
@@ -312,3 +327,56 @@ def apply_window(
   _check_replicas(state, params, axes)
   ls = _next_scale(state, next_loss_scale, "apply_window")
   return _apply_window_kernel(tx, state, params, opt_state, ls, axes)
+
+
+def _apply_stacked(tx, state, params, opt_state, next_loss_scale, axis_name):
+  """``apply_window`` of a stacked per-replica window: of this replica's
+  block inside ``shard_map``, or of the whole under plain ``jit`` (its one
+  reduction, then the one close path on the global window)."""
+  what = "apply_window"
+  if axis_name is None:
+    raise WeightedAccumulationError(
+      f"{what}(state): this window is per replica, stacked over "
+      f"{jnp.shape(state.weight_hi)[0]} replicas; pass axis_name=... (its "
+      "data axes) to reduce it once in the close."
+    )
+  axes = validation.axis_names(axis_name, what=f"{what}(axis_name=...)")
+  ls = _next_scale(state, next_loss_scale, what)
+  if replicas.bound(axes):
+    p, o, new, out = apply_window(
+      tx,
+      replicas.unstack(state, axes, what),
+      params,
+      opt_state,
+      next_loss_scale=ls,
+      axis_name=axes,
+    )
+    return p, o, replicas.stack(new, axes), out
+  tree_utils.match_tree(
+    jax.tree.map(
+      lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads
+    ),
+    params,
+    what=f"{what}(params)",
+    ref_name="the accumulator's buffers",
+  )
+  return _apply_stacked_kernel(tx, state, params, opt_state, ls, axes)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _apply_stacked_kernel(tx, state, params, opt_state, next_loss_scale, axes):
+  what = "apply_window"
+  mesh = replicas.mesh_of(state, axes, what)
+  leaves = None
+  if spmd_layout.explicit(mesh, axes, what=what):  # FSDP: from the types
+    leaves = tuple(
+      spmd_layout.leaf(
+        jax.typeof(p).sharding.spec, axes, p.ndim, path, what=what
+      )
+      for path, p in tree_utils.flat(params)
+    )
+  glob = replicas.to_global(state, axes, mesh, leaves)
+  params, opt_state, closed, out = _apply_window_kernel(
+    tx, glob, params, opt_state, next_loss_scale, ()
+  )
+  return params, opt_state, replicas.next_window(state, closed), out

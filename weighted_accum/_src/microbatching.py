@@ -21,7 +21,9 @@ from weighted_accum._src import base
 from weighted_accum._src import distributed as dist
 from weighted_accum._src import finishing
 from weighted_accum._src import local_grads
+from weighted_accum._src import microbatching_spmd as spmd
 from weighted_accum._src import numerics
+from weighted_accum._src import replicas
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
 from weighted_accum._src import window
@@ -45,6 +47,10 @@ class _Config(NamedTuple):
   dtype: np.dtype
   loss_scale: Any
   axis_name: tuple[str, ...] | None
+  data_axes: tuple[str, ...] | None = None
+  param_specs: Any = None
+  fsdp: str = "gather_once"
+  spmd: Any = None  # inside the data_axes shard_map: a spmd.Layout
 
 
 # ------------------------------------------------------------- the split --
@@ -168,9 +174,11 @@ def _loop(cfg: _Config, state: AccumState, args: tuple, split: dict, n_real):
   def body(i, carry):
     st, sums, aux_buf = carry
     (_, (loss, w, aux)), grads = vg(scale, *_take(args, split, i))
-    new = accumulation.add(
-      st, grads[0] if cfg.single else grads, w, mean=mean, name=_WHAT
-    )
+    g = grads[0] if cfg.single else grads
+    if cfg.spmd is None:
+      new = accumulation.add(st, g, w, mean=mean, name=_WHAT)
+    else:  # data_axes: FSDP grads may be reduce-scattered per microbatch
+      new = cfg.spmd.add(st, g, w, mean=mean, name=_WHAT)
     took = new.rejected == st.rejected  # not rejected (weight 0 adds 0)
     wf = jnp.asarray(w, _F32)
     part = loss.astype(_F32) * wf if mean else loss.astype(_F32)
@@ -195,6 +203,7 @@ def _conclude(cfg: _Config, st: AccumState, loss_sum: jax.Array):
     mean=True,
     axes=cfg.axis_name or (),
     extra={"loss_sum": loss_sum, "rejected": st.rejected.astype(_F32)},
+    plan=None if cfg.spmd is None else cfg.spmd.plan,
     what=_WHAT,
   )
   loss = jnp.where(out.weight > 0, extra["loss_sum"] / out.weight, 0.0)
@@ -203,19 +212,25 @@ def _conclude(cfg: _Config, st: AccumState, loss_sum: jax.Array):
   return loss, out.replace(finite=finite, valid=valid)
 
 
-def _to_window(state: Any, axes: tuple[str, ...] | None) -> AccumState:
+def _to_window(state: Any, axes: tuple[str, ...] | None):
+  """The window to add to, and whether it was this replica's block of a
+  stacked window (returned as one)."""
+  what = f"{_WHAT}(...).accumulate(state)"
   state = validation.instance(
     state,
     AccumState,
-    what=f"{_WHAT}(...).accumulate(state)",
+    what=what,
     hint="Pass the open window (from wa.init or distributed.init).",
   )
   if axes is None:
-    return state
+    return state, False
+  block = replicas.is_stacked(state)
+  if block:
+    state = replicas.unstack(state, axes, what)
   per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
   return state.replace(
     **{f: tree_utils.to_varying(getattr(state, f), axes) for f in per_replica}
-  )
+  ), block
 
 
 def _prepare(cfg: _Config, args: tuple, n_real: Any):
@@ -275,6 +290,7 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
     axis_name=validation.optional_axis_names(
       kw["axis_name"], what=f"{_WHAT}(axis_name=...)"
     ),
+    **spmd.options(kw),
   )
 
 
@@ -289,6 +305,9 @@ def microbatched_value_and_grad(
   dtype: Any = jnp.float32,
   loss_scale: Any = 1.0,
   axis_name: str | Sequence[str] | None = None,
+  data_axes: str | Sequence[str] | None = None,
+  param_specs: Any = None,
+  fsdp: str = "gather_once",
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over K microbatches in one loop, exact.
 
@@ -326,12 +345,40 @@ def microbatched_value_and_grad(
     axis_name: call ``f`` inside ``jax.shard_map`` over this data axis (or
       axes) with this replica's rows: gradients are local and the call does
       ONE all-reduce of the sums and weights after the loop.
+    data_axes: call ``f`` under plain ``jax.jit`` on the global batch, its
+      leading dimension sharded over these mesh axes (``Auto`` or
+      ``Explicit``; the mesh is the batch's, or ``jax.set_mesh``'s): the
+      loop then runs inside a partial-manual ``jax.shard_map`` over just
+      these axes around the ``axis_name`` path, so a call reduces the
+      gradient sums, the weights and the counters ONCE whatever K, and the
+      returned grads keep the params' shardings. The batch's rows must be
+      divisible by ``N * K`` (N: the replicas); microbatch ``k`` is then
+      rows ``k::K`` as without ``data_axes``. Not with ``axis_name``.
+    param_specs: under ``Auto`` axes with ``data_axes``, the params'
+      ``PartitionSpec`` tree (``None`` leaves: replicated), which the types
+      do not carry there: params sharded over a data axis (FSDP) get
+      reduce-scattered gradients on their own sharding, and every gradient
+      is constrained to its param's spec. Without it every param counts as
+      replicated over the data axes (an FSDP param is then all-gathered at
+      the boundary and its gradient returned replicated). On an
+      ``Explicit`` mesh the specs are read from the params' types.
+    fsdp: with ``data_axes``, how the gradients of params sharded over a
+      data axis are reduced (the params are gathered once per call either
+      way): ``"gather_once"`` keeps a full-size per-replica carry and
+      reduce-scatters it once per call (bytes P per call, memory P);
+      ``"scatter_each"`` reduce-scatters each microbatch's weighted
+      gradient into a carry of the param's shard (bytes K * P, carry P/N).
+      ``docs/scaling.md`` has the measured figures.
 
   Returns:
     ``f(*args, num_real_microbatches=None, loss_scale=None)`` returning
     ``(loss, out)``, or ``((loss, aux), out)`` with ``has_aux``: ``loss``
     the exact float32 mean loss, ``aux`` stacked on a leading K axis
-    (microbatch order, zeros where skipped), ``out`` an
+    (microbatch order, zeros where skipped; with ``data_axes`` each leaf is
+    ``[K, N, ...]``, ``aux[k, r]`` replica ``r``'s value for its rows of
+    microbatch ``k``, sharded over the data axes on dimension 1: per-row
+    aux reshaped to ``[K, -1, ...]`` is the layout without ``data_axes``),
+    ``out`` an
     :class:`~weighted_accum.AccumulatedGradients` (mean gradient in
     ``dtype``, total weight, ``issued``, ``finite``, ``valid``; ``valid`` is
     also false when a microbatch's weight was negative or non-finite: such a
@@ -342,14 +389,23 @@ def microbatched_value_and_grad(
     call's microbatches to an open window ``state`` without finishing and
     returns ``((loss_sum, weight), state)`` (``(((loss_sum, weight), aux),
     state)`` with ``has_aux``), the call's unscaled loss sum and weight; it
-    uses the state's work dtype and loss scale.
+    uses the state's work dtype and loss scale. With ``data_axes`` it takes
+    a per-replica window stacked over the replicas
+    (:func:`weighted_accum.distributed.init` called outside ``shard_map``)
+    and runs no collective: ``loss_sum`` and ``weight`` are per replica,
+    ``[N]``; close the window with
+    ``wa.apply_window(..., axis_name=data_axes)`` (one reduction). Inside
+    ``shard_map`` with ``axis_name`` it also takes this replica's block of
+    such a window (leading dimension 1) and returns one.
 
   Raises:
     WeightedAccumulationError: for an invalid configuration, batch leaves
       whose leading sizes differ or are not divisible by K, a ``loss_fn``
       that does not return ``(loss, weight)``, a loss that is not a
-      floating scalar, an unbound ``axis_name``, or (eagerly) a call whose
-      total weight is 0.
+      floating scalar, an unbound ``axis_name``, ``data_axes`` that the
+      batch's mesh does not have or whose replicas times K do not divide the
+      batch, FSDP param specs the reduce-scatter cannot produce, or
+      (eagerly) a call whose total weight is 0.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -375,33 +431,57 @@ def microbatched_value_and_grad(
     dtype=dtype,
     loss_scale=loss_scale,
     axis_name=axis_name,
+    data_axes=data_axes,
+    param_specs=param_specs,
+    fsdp=fsdp,
   )
 
   def f(*args, num_real_microbatches=None, loss_scale=None):
-    params, split, n_real = _prepare(cfg, args, num_real_microbatches)
-    ls = cfg.loss_scale
-    if loss_scale is not None:
-      ls = validation.loss_scale(loss_scale, what=f"{_WHAT}(...)(loss_scale=)")
-    st = (
-      accumulation.init(params, cfg.dtype, ls)
-      if cfg.axis_name is None
-      else dist.init(params, cfg.axis_name, cfg.dtype, ls)
-    )
-    st, loss_sum, _, aux = _loop(cfg, st, args, split, n_real)
-    if not tree_utils.is_traced(st.weight_hi):
-      finishing.refuse_empty(st, _WHAT)
-    loss, out = _conclude(cfg, st, loss_sum)
-    return ((loss, aux), out) if cfg.has_aux else (loss, out)
+    if cfg.data_axes is not None:
+      return spmd.value_and_grad(
+        cfg, _value_and_grad, args, num_real_microbatches, loss_scale
+      )
+    return _value_and_grad(cfg, args, num_real_microbatches, loss_scale)
 
   def accumulate(state, *args, num_real_microbatches=None):
-    _, split, n_real = _prepare(cfg, args, num_real_microbatches)
-    st = _to_window(state, cfg.axis_name)
-    st, loss_sum, w_sum, aux = _loop(cfg, st, args, split, n_real)
-    value = (loss_sum, w_sum)
-    return ((value, aux) if cfg.has_aux else value), st
+    if cfg.data_axes is not None:
+      return spmd.accumulate(
+        cfg, _accumulate, state, args, num_real_microbatches
+      )
+    return _accumulate(cfg, state, args, num_real_microbatches)
 
   f.accumulate = accumulate
   return f
+
+
+def _value_and_grad(cfg: _Config, args: tuple, num_real: Any, scale: Any):
+  """One call of ``f``: init, the loop, the finish."""
+  params, split, n_real = _prepare(cfg, args, num_real)
+  ls = cfg.loss_scale
+  if scale is not None:
+    ls = validation.loss_scale(scale, what=f"{_WHAT}(...)(loss_scale=)")
+  like = params if cfg.spmd is None else cfg.spmd.buffers(params)
+  st = (
+    accumulation.init(like, cfg.dtype, ls)
+    if cfg.axis_name is None
+    else dist.init(like, cfg.axis_name, cfg.dtype, ls)
+  )
+  st, loss_sum, _, aux = _loop(cfg, st, args, split, n_real)
+  if not tree_utils.is_traced(st.weight_hi):
+    finishing.refuse_empty(st, _WHAT)
+  loss, out = _conclude(cfg, st, loss_sum)
+  return ((loss, aux), out) if cfg.has_aux else (loss, out)
+
+
+def _accumulate(cfg: _Config, state: Any, args: tuple, num_real: Any):
+  """One call of ``f.accumulate``: the loop into an open window."""
+  _, split, n_real = _prepare(cfg, args, num_real)
+  st, block = _to_window(state, cfg.axis_name)
+  st, loss_sum, w_sum, aux = _loop(cfg, st, args, split, n_real)
+  if block:
+    st = replicas.stack(st, cfg.axis_name)
+  value = (loss_sum, w_sum)
+  return ((value, aux) if cfg.has_aux else value), st
 
 
 # ------------------------------------------------- optax.microbatching --

@@ -239,7 +239,7 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
     )
     w = accumulation.convert_weight(accum, total, name)
     skip, skip_state = _skip_verdict(
-      cfg, _global_grads(grads, total, mean), state, params
+      cfg, _global_grads(grads, total.hi + total.lo, mean), state, params
     )
     mean = False  # the global contribution is a sum already
   if skip is not None:

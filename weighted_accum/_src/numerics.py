@@ -49,6 +49,55 @@ def tally_dtype(work: Any) -> np.dtype:
   return np.dtype(np.float64 if np.dtype(work) == np.float64 else np.float32)
 
 
+# ------------------------------------------- exact sums across replicas --
+
+#: Integer tallies below this are summed exactly across replicas.
+LIMB_TOTAL_BITS = 48
+
+
+def limb_width(replicas: int) -> int:
+  """Bits per limb for a sum over ``replicas``: each replica's limb (the sum
+  of two limbs of ``w`` bits) is below ``2**(w + 1)`` in magnitude, so the
+  float32 sum of ``replicas`` of them is exact when ``replicas * 2**(w + 1)
+  <= 2**24`` (12 bits up to 1024 replicas, 11 up to 2048...)."""
+  w = 12
+  while w > 1 and replicas * 2 ** (w + 1) > 2**24:
+    w -= 1
+  return w
+
+
+def split_limbs(x: jax.Array, w: int) -> list[jax.Array]:
+  """A float32 scalar as float32 pieces whose exact sum is ``x``: the
+  integer part of ``|x|`` in limbs of ``w`` bits (most significant first;
+  the top limb takes whatever lies above ``2**48``) and the fraction, each
+  with ``x``'s sign. Every step (floor, power-of-two scaling, subtracting a
+  multiple of a power of two no larger than the remainder) is exact."""
+  n = -(-LIMB_TOTAL_BITS // w)
+  sign = jnp.where(x < 0, -1.0, 1.0).astype(x.dtype)
+  a = jnp.abs(x)
+  rest = jnp.floor(a)
+  fraction = (a - rest) * sign
+  limbs = []
+  for j in reversed(range(n)):
+    unit = np.asarray(2.0 ** (w * j), x.dtype)
+    q = jnp.floor(rest / unit)
+    rest = rest - q * unit
+    limbs.append(q * sign)
+  return limbs + [fraction]
+
+
+def join_limbs(parts: list[jax.Array], w: int) -> tuple[jax.Array, jax.Array]:
+  """The renormalised pair ``(hi, lo)`` of summed :func:`split_limbs`
+  pieces (limbs most significant first, then the fraction): exact for
+  integer totals below ``2**48``, the fraction rounded once."""
+  n = len(parts) - 1
+  hi = lo = jnp.zeros((), parts[0].dtype)
+  for j, q in enumerate(parts[:n]):
+    unit = np.asarray(2.0 ** (w * (n - 1 - j)), q.dtype)
+    hi, lo = two_sum_add(hi, lo, q * unit)
+  return two_sum_add(hi, lo, parts[n])
+
+
 # ------------------------------------------------------------ precision --
 
 

@@ -14,7 +14,8 @@ window".
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -107,6 +108,22 @@ def next_window(
 # ------------------------------------------------------ collectives --
 
 
+class LeafReduce(NamedTuple):
+  """How :func:`psum_window` reduces one buffer: a tiled ``psum_scatter``
+  over ``scatter`` along dimension ``dim`` (a buffer whose param is sharded
+  there over those data axes), then a ``psum`` over ``psum``. A buffer
+  already reduced over its sharded axes (autodiff of an ``all_gather``)
+  has ``scatter=()``."""
+
+  psum: Axes
+  scatter: Axes = ()
+  dim: int = 0
+
+
+#: The scalars of a two-float tally pair, summed exactly by psum_window.
+PAIR = ("weight_hi", "weight_lo")
+
+
 def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
   """The axes to sum a leaf over: those it varies over (an unvarying leaf is
   identical on every replica, i.e. already global)."""
@@ -115,39 +132,91 @@ def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
   return tuple(a for a in axes if a in tree_utils.varying_axes(x))
 
 
+def _plans(leaves: list[Any], plan: Any, axes: Axes, vma_on: bool) -> list:
+  plan = [None] * len(leaves) if plan is None else list(plan)
+  out = []
+  for x, p in zip(leaves, plan):
+    if p is None:
+      p = LeafReduce(_leaf_axes(x, axes, vma_on))
+    elif vma_on:
+      p = p._replace(psum=_leaf_axes(x, p.psum, True))
+    out.append(p)
+  return out
+
+
+def _scalar_values(scalars: Mapping[str, Any], w: int) -> dict:
+  """The scalars as the float32 (or wider) values one psum sums: an exact
+  pair (float32 :data:`PAIR`) as the sum of its parts' limbs."""
+  values = {}
+  for k, v in scalars.items():
+    v = jnp.asarray(v)
+    values[k] = v.astype(jnp.promote_types(v.dtype, jnp.float32))
+  if all(k in values for k in PAIR) and values[PAIR[0]].dtype == jnp.float32:
+    hi, lo = (values.pop(k) for k in PAIR)
+    pieces = zip(numerics.split_limbs(hi, w), numerics.split_limbs(lo, w))
+    values["_limbs"] = [a + b for a, b in pieces]  # exact: small integers
+  return values
+
+
 def psum_window(
-  sums: Any, scalars: Mapping[str, Any], axes: Axes, *, vma_on: bool
+  sums: Any,
+  scalars: Mapping[str, Any],
+  axes: Axes,
+  *,
+  vma_on: bool,
+  plan: Any = None,
 ) -> tuple[Any, dict[str, jax.Array]]:
-  """One collective round: the sums (each over the axes it varies over)
-  together with the per-replica ``scalars`` (always summed; counts as
-  float32, exact below 2**24).
+  """One collective round: the sums (each over the axes it varies over, or
+  as ``plan`` says) together with the per-replica ``scalars`` (always
+  summed over ``axes``; counts as float32, exact below 2**24).
+
+  A float32 weight pair (``weight_hi``, ``weight_lo`` among the scalars)
+  is summed exactly: each replica splits both parts into limbs of ``w``
+  bits (:func:`numerics.split_limbs`, ``w`` from the replica count) and
+  adds them, the limbs ride in the same ``psum`` as float32 values whose
+  sums are exact integers, and the pair is rebuilt from the summed limbs
+  (exact for per-replica totals below 2**48; fractions rounded once).
+  Summing ``hi`` and ``lo`` as two float32 values would round each sum.
+
+  Args:
+    sums: the buffers.
+    scalars: per-replica scalars by name.
+    axes: the data axes.
+    vma_on: whether varying types are tracked (else every buffer is summed
+      over every axis).
+    plan: per buffer leaf (flattening order), ``None`` (the default above)
+      or a :class:`LeafReduce`.
 
   Returns:
-    The global sums and the summed scalars, by name.
+    The global sums (a scattered leaf is this replica's shard) and the
+    summed scalars, by name.
   """
   leaves, treedef = jax.tree.flatten(sums)
+  plans = _plans(leaves, plan, axes, vma_on)
+  out = list(leaves)
+  for i, p in enumerate(plans):
+    if p.scatter:
+      out[i] = lax.psum_scatter(
+        out[i], p.scatter, scatter_dimension=p.dim, tiled=True
+      )
   groups: dict[Axes, list[int]] = {}
-  for i, x in enumerate(leaves):
-    ax = _leaf_axes(x, axes, vma_on)
-    if ax:
-      groups.setdefault(ax, []).append(i)
-  names = list(scalars)
-  values = [
-    jnp.asarray(scalars[k]).astype(
-      jnp.promote_types(jnp.asarray(scalars[k]).dtype, jnp.float32)
-    )
-    for k in names
-  ]
+  for i, p in enumerate(plans):
+    if p.psum:
+      groups.setdefault(p.psum, []).append(i)
+  size = math.prod(lax.axis_size(a) for a in axes)
+  w = numerics.limb_width(size)
+  values = _scalar_values(scalars, w)
   values = tree_utils.to_varying(values, axes) if vma_on else values
   full = groups.pop(axes, [])
-  red, values = lax.psum(([leaves[i] for i in full], values), axes)
-  out = list(leaves)
+  red, values = lax.psum(([out[i] for i in full], values), axes)
   for i, v in zip(full, red):
     out[i] = v
   for ax, idx in groups.items():
-    for i, v in zip(idx, lax.psum([leaves[i] for i in idx], ax)):
+    for i, v in zip(idx, lax.psum([out[i] for i in idx], ax)):
       out[i] = v
-  return jax.tree.unflatten(treedef, out), dict(zip(names, values))
+  if "_limbs" in values:
+    values.update(zip(PAIR, numerics.join_limbs(values.pop("_limbs"), w)))
+  return jax.tree.unflatten(treedef, out), values
 
 
 def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -265,6 +334,7 @@ def finish(
   axes: Axes = (),
   vma_on: bool | None = None,
   extra: Mapping[str, Any] | None = None,
+  plan: Any = None,
   what: str = "finish",
   when: jax.Array | None = None,
 ) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
@@ -294,6 +364,8 @@ def finish(
     vma_on: whether ``shard_map`` tracks varying types (else every buffer
       is summed over every axis); default: read from the axes.
     extra: more per-replica scalars to sum in the same collective round.
+    plan: with ``axes``, how to reduce each buffer (see
+      :func:`psum_window`; FSDP buffers are reduce-scattered).
     what: how to name the caller in errors.
     when: a traced bool (``mean=False``, no ``axes``): read the sums'
       finiteness only where it is true (see :func:`gated_marks`); the
@@ -317,7 +389,7 @@ def finish(
     vma_on = tree_utils.vma_checked(axes) if vma_on is None else vma_on
     if vma_on:
       _check_scale_shared(state.loss_scale, axes, what)
-    sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on)
+    sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on, plan=plan)
   # In the tally's dtype: float32, or float64 for a float64 work dtype.
   weight = jnp.asarray(scalars["weight_hi"]) + jnp.asarray(scalars["weight_lo"])
   out = result(
@@ -349,12 +421,13 @@ def reduce_finished(
   vma_on = tree_utils.vma_checked(axes)
   if vma_on:
     _check_scale_shared(out.loss_scale, axes, what)
+  local = {"weight_hi": out.weight, "weight_lo": jnp.zeros_like(out.weight)}
   sums, scalars = psum_window(
-    out.grads, {"weight": out.weight, "issued": out.issued}, axes, vma_on=vma_on
+    out.grads, dict(local, issued=out.issued), axes, vma_on=vma_on
   )
   return result(
     sums,
-    scalars["weight"],
+    scalars["weight_hi"] + scalars["weight_lo"],
     jnp.asarray(out.loss_scale),
     scalars["issued"],
     mean=True,

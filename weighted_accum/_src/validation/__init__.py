@@ -31,6 +31,9 @@ from weighted_accum._src.validation.options import num_real as num_real
 from weighted_accum._src.validation.options import (
   optional_axis_names as optional_axis_names,
 )
+from weighted_accum._src.validation.options import (
+  partition_specs as partition_specs,
+)
 from weighted_accum._src.validation.options import static_flag as static_flag
 from weighted_accum._src.validation.options import static_int as static_int
 from weighted_accum._src.validation.options import traced_flag as traced_flag

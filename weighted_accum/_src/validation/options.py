@@ -183,7 +183,9 @@ def mode(x: Any, *, what: str) -> str:
   return x
 
 
-def axis_names(x: Any, *, what: str) -> tuple[str, ...]:
+def axis_names(
+  x: Any, *, what: str, name: str = "axis_name"
+) -> tuple[str, ...]:
   """A mesh axis name or a sequence of distinct ones, as a tuple."""
   if isinstance(x, str):
     names: tuple[Any, ...] = (x,)
@@ -197,16 +199,30 @@ def axis_names(x: Any, *, what: str) -> tuple[str, ...]:
     or len(set(names)) != len(names)
   ):
     raise WeightedAccumulationError(
-      f"{what}: axis_name={x!r} is not a mesh axis name; pass the "
+      f"{what}: {name}={x!r} is not a mesh axis name; pass the "
       "data-parallel axis, e.g. 'data', or a tuple of distinct names such "
       "as ('data', 'fsdp')."
     )
   return names
 
 
-def optional_axis_names(x: Any, *, what: str) -> tuple[str, ...] | None:
+def optional_axis_names(
+  x: Any, *, what: str, name: str = "axis_name"
+) -> tuple[str, ...] | None:
   """:func:`axis_names`, or ``None`` for ``None``."""
-  return None if x is None else axis_names(x, what=what)
+  return None if x is None else axis_names(x, what=what, name=name)
+
+
+def partition_specs(x: Any, *, what: str) -> Any:
+  """``None``, or a pytree of ``PartitionSpec`` (or ``None``) leaves."""
+  is_spec = lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec)
+  bad = [v for v in jax.tree.leaves(x, is_leaf=is_spec) if not is_spec(v)]
+  if bad:
+    raise WeightedAccumulationError(
+      f"{what}: {bad[0]!r} is not a PartitionSpec; pass a tree like the "
+      "params of jax.sharding.PartitionSpec (None: replicated)."
+    )
+  return x
 
 
 def bound_axes(x: Any, *, what: str) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""The optax wrapper ``weighted_multi_steps`` against independent references.
+"""The optax wrapper (``WeightedMultiSteps`` / ``weighted_multi_steps``)
+against independent references.
 
 The reference for a window is the gradient of the full window's mean loss
 (one ``jax.grad`` over all its items, no accumulation), handed to the inner
