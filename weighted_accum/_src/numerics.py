@@ -199,10 +199,41 @@ _SMALL = 4096
 _GROUP = 32
 
 
+def _unpartitioned(x: jax.Array) -> bool:
+  """Whether ``x`` is known not to be split over devices by XLA's SPMD
+  partitioner: no mesh, only manual axes (inside ``shard_map``), or
+  explicit axes its type does not shard it over. A variadic reduction of
+  partitioned vectors is all-gathered (a gradient sharded over a model axis
+  would be gathered to read its finiteness), so only these are grouped."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return True
+  free = {
+    a
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if t != jax.sharding.AxisType.Manual and mesh.shape[a] > 1
+  }
+  if not free:
+    return True
+  if any(
+    t == jax.sharding.AxisType.Auto
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if a in free
+  ):
+    return False  # placed by the partitioner: unknown here
+  used = set()
+  for entry in sharding.spec:
+    used.update(
+      () if entry is None else (entry,) if isinstance(entry, str) else entry
+    )
+  return not used & free
+
+
 def _group_key(x: jax.Array) -> Any:
   """Leaves that may share one reduction: small vectors of one shape and
-  dtype (and, when concrete, one placement)."""
-  if x.ndim != 1 or not 0 < x.size < _SMALL:
+  dtype that are not partitioned (and, when concrete, one placement)."""
+  if x.ndim != 1 or not 0 < x.size < _SMALL or not _unpartitioned(x):
     return None
   placement = None
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
