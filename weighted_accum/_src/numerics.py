@@ -193,9 +193,9 @@ def nan_mark(x: jax.Array) -> jax.Array:
 
 
 _ELEMENTWISE = {nonfinite_mark: _zero_or_nan, nan_mark: _nan_only}
-# Vectors below this size are marked together (see tree_mark); larger leaves
-# and arrays of two or more dimensions are reduced on their own.
-_SMALL = 4096
+# Leaves of at most this many elements are marked together (see tree_mark);
+# larger ones are reduced on their own (XLA's reduction emitter).
+_SMALL = 1 << 16
 _GROUP = 32
 
 
@@ -231,9 +231,9 @@ def _unpartitioned(x: jax.Array) -> bool:
 
 
 def _group_key(x: jax.Array) -> Any:
-  """Leaves that may share one reduction: small vectors of one shape and
+  """Leaves that may share one reduction: small leaves of one shape and
   dtype that are not partitioned (and, when concrete, one placement)."""
-  if x.ndim != 1 or not 0 < x.size < _SMALL or not _unpartitioned(x):
+  if not 0 < x.size <= _SMALL or not _unpartitioned(x):
     return None
   placement = None
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
@@ -242,9 +242,10 @@ def _group_key(x: jax.Array) -> Any:
 
 
 def _grouped_marks(xs: list[jax.Array], elementwise) -> list[jax.Array]:
-  """The marks of same-shaped vectors, one variadic reduction per
+  """The marks of same-shaped leaves, one variadic reduction per
   ``_GROUP`` of them: XLA:CPU turns the reduction of a small vector into
-  three loops, a variadic one into one loop for the whole group."""
+  three loops and that of a small matrix into one, a variadic one into one
+  loop for the whole group."""
   marks = []
   for i in range(0, len(xs), _GROUP):
     parts = tuple(
@@ -255,7 +256,7 @@ def _grouped_marks(xs: list[jax.Array], elementwise) -> list[jax.Array]:
         parts,
         tuple(jnp.zeros((), jnp.float32) for _ in parts),
         lambda a, b: tuple(u + v for u, v in zip(a, b)),
-        (0,),
+        tuple(range(parts[0].ndim)),
       )
     )
   return marks
@@ -264,9 +265,11 @@ def _grouped_marks(xs: list[jax.Array], elementwise) -> list[jax.Array]:
 def tree_mark(tree: Any, mark=nonfinite_mark) -> jax.Array:
   """The sum of ``mark`` over the leaves of ``tree`` (0 for no leaves).
 
-  Small vectors of one shape (biases, norm scales) are reduced together,
-  in one variadic reduction per group (the same sum): one loop instead of
-  three per vector, a quarter of a small-leaved model's close."""
+  Small leaves of one shape (biases, norm scales, small kernels; at most
+  ``_SMALL`` elements, not partitioned) are reduced together, in one
+  variadic reduction per group (the same sum, NaN-safe): one loop per group
+  instead of one to three per leaf, which XLA:CPU compiles in time that
+  grows with the loops."""
   elementwise = _ELEMENTWISE.get(mark)
   marks, groups = [], {}
   for x in jax.tree.leaves(tree):
