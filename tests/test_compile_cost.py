@@ -83,7 +83,9 @@ def _loops(comps, name: str, pick) -> int:
     elif re.search(r"\sconditional\(", line):
       n += pick(_loops(comps, b, pick) for b in _branches(line))
     elif re.search(r"\scall\(", line):
-      n += _loops(comps, re.search(r"to_apply=%?([\w.\-]+)", line).group(1), pick)
+      n += _loops(
+        comps, re.search(r"to_apply=%?([\w.\-]+)", line).group(1), pick
+      )
   return n
 
 
