@@ -3,8 +3,8 @@
 XLA:CPU compiles a step in time that grows with the fused loops it emits and
 the instructions inside them. Counted here, deterministically, in the
 optimised HLO of a donated ``update + apply_updates`` step with AdamW inside,
-at 20 and 100 leaves (a 64x64 kernel and a 64 bias per layer), per leaf (the
-difference between the two sizes over 80 leaves, so fixed scalar work does
+at 10 and 50 leaves (a 64x64 kernel and a 64 bias per layer), per leaf (the
+difference between the two sizes over 40 leaves, so fixed scalar work does
 not count):
 
 - the fused loops of the whole program, and those a mid-window step and a
@@ -136,8 +136,8 @@ def per_leaf():
   """Each figure per leaf, for the wrapper and for optax.MultiSteps."""
   out = {}
   for kind in ("multisteps", "wrapper"):
-    small, large = (_figures(_compiled_step(kind, n)) for n in (10, 50))
-    out[kind] = {k: (large[k] - small[k]) / 80 for k in small}
+    small, large = (_figures(_compiled_step(kind, n)) for n in (5, 25))
+    out[kind] = {k: (large[k] - small[k]) / 40 for k in small}
   return out
 
 
