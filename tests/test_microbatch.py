@@ -239,7 +239,9 @@ def test_num_real_microbatches_traced_skips_and_never_retraces():
     jax.debug.callback(lambda: runs.append(1))  # one per executed microbatch
     return sum_loss(p, batch)
 
-  f = jax.jit(wa.microbatched_value_and_grad(loss_fn, k, mode="sum"))
+  f = jax.jit(
+    wa.microbatched_value_and_grad(loss_fn, k, mode="sum", split="strided")
+  )
   for n in range(1, k + 1):
     del runs[:]
     loss, out = f(p, batch, num_real_microbatches=jnp.int32(n))
@@ -264,7 +266,9 @@ def test_skipped_microbatches_never_touch_the_result():
   x = np.array(batch["x"])
   x[np.arange(B) % k >= 2] = np.nan
   bad = dict(batch, x=jnp.asarray(x))
-  f = jax.jit(wa.microbatched_value_and_grad(sum_loss, k, mode="sum"))
+  f = jax.jit(
+    wa.microbatched_value_and_grad(sum_loss, k, mode="sum", split="strided")
+  )
   _, out = f(p, bad, num_real_microbatches=2)
   good = dict(batch, mask=batch["mask"] * (np.arange(B) % k < 2))
   assert bool(out.valid)
@@ -604,7 +608,8 @@ def test_nnx_state_params_and_tuple_argnums():
     (dict(loss_scale=0.0), None, "loss_scale"),
     (dict(num_microbatches=3), "batch", "divisible"),
     ({}, "ragged", "rows"),
-    ({}, "n_real", "num_real_microbatches"),
+    (dict(split="strided"), "n_real", r"num_real_microbatches=5 must be"),
+    ({}, "n_real", "name the split"),
     (dict(axis_name="data"), "batch", "not bound"),
   ],
 )

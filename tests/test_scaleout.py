@@ -453,7 +453,9 @@ def test_traced_number_of_real_microbatches_reduces_once():
   k, real = 8, 5
   style = _style("auto")
   params, batch = style.put(_params_np(), _batch_np())
-  f = wa.microbatched_value_and_grad(_loss_sum, k, mode="sum", data_axes="data")
+  f = wa.microbatched_value_and_grad(
+    _loss_sum, k, mode="sum", data_axes="data", split="strided"
+  )
   g = jax.jit(lambda p, b, n: f(p, b, num_real_microbatches=n))
   stats = hlo.hlo_stats(
     g.lower(params, batch, jnp.int32(real)).compile(), trip_count=k

@@ -49,9 +49,6 @@ from weighted_accum._src.loss_scale import DynamicLossScale as DynamicLossScale
 from weighted_accum._src.microbatching import (
   microbatched_value_and_grad as microbatched_value_and_grad,
 )
-from weighted_accum._src.microbatching import (
-  optax_accumulator as optax_accumulator,
-)
 
 # Across jitted steps: the optax wrapper and flax's TrainState.
 from weighted_accum._src.multi_steps import (
@@ -65,6 +62,17 @@ from weighted_accum._src.multi_steps import window_counters as window_counters
 from weighted_accum._src.multi_steps_step import (
   WeightedMultiStepsState as WeightedMultiStepsState,
 )
+
+# The functional API: read the open window's mean, or drop the window.
+from weighted_accum._src.open_window import discard as discard
+from weighted_accum._src.open_window import peek_mean as peek_mean
+
+# In-step microbatching through optax.microbatching.
+from weighted_accum._src.optax_microbatching import (
+  optax_accumulator as optax_accumulator,
+)
+
+# Across jitted steps: flax's TrainState with a weight.
 from weighted_accum._src.train_state import TrainState as TrainState
 
 # The one version string is pyproject.toml's; installed metadata carries it.
@@ -88,6 +96,7 @@ __all__ = (
   "accumulate_sum",
   "apply_window",
   "checkpoint",
+  "discard",
   "distributed",
   "finish_mean",
   "finish_sums",
@@ -98,6 +107,7 @@ __all__ = (
   "local_value_and_grad",
   "microbatched_value_and_grad",
   "optax_accumulator",
+  "peek_mean",
   "reduce_sums",
   "set_loss_scale",
   "weighted_multi_steps",

@@ -2,9 +2,14 @@
 them one after another in a loop and returns the exact weighted mean gradient.
 
 ``microbatched_value_and_grad`` builds the step function (its ``.accumulate``
-adds one call into an open window instead); ``optax_accumulator`` plugs the
-same exact weighting into ``optax.microbatching``. Rationale, memory and
-all-reduce figures: ``docs/microbatching.md``.
+adds one call into an open window instead). The arguments' roles and the
+split are in :mod:`weighted_accum._src.microbatch_args`; this module runs
+``loss_fn`` on each microbatch, adds its gradients on the one accumulate
+path, threads non-parameter state from one microbatch to the next, and
+closes on the one close path. Loss terms with different normalisers each
+take a window of their own, except those whose normaliser is known before
+the loop, which share one. Rationale, memory and all-reduce figures:
+``docs/microbatching.md``.
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ from weighted_accum._src import accumulation
 from weighted_accum._src import base
 from weighted_accum._src import distributed as dist
 from weighted_accum._src import finishing
-from weighted_accum._src import local_grads
+from weighted_accum._src import microbatch_args as margs
+from weighted_accum._src import microbatch_terms as terms
 from weighted_accum._src import microbatching_spmd as spmd
 from weighted_accum._src import numerics
 from weighted_accum._src import replicas
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
-from weighted_accum._src import window
 from weighted_accum._src.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
 
@@ -38,13 +43,11 @@ class _Config(NamedTuple):
   """The static choices of one ``microbatched_value_and_grad``."""
 
   loss_fn: Callable[..., Any]
-  k: int
   mode: str
   has_aux: bool
-  argnums: tuple[int, ...]
-  single: bool
-  batch_argnums: tuple[int, ...]
+  roles: margs.Roles
   dtype: np.dtype
+  grads_dtype: Any  # None (the work dtype), "params" or a dtype
   loss_scale: Any
   axis_name: tuple[str, ...] | None
   data_axes: tuple[str, ...] | None = None
@@ -53,163 +56,137 @@ class _Config(NamedTuple):
   spmd: Any = None  # inside the data_axes shard_map: a spmd.Layout
 
 
-# ------------------------------------------------------------- the split --
-
-
-def _split(args: tuple, cfg: _Config) -> dict:
-  """Each batch argument reshaped to ``(B // K, K, ...)``: microbatch i is
-  ``[:, i]``, i.e. rows ``i::K`` (a data-sharded batch stays evenly spread)."""
-  k = cfg.k
-  if max(cfg.batch_argnums) >= len(args):
-    raise WeightedAccumulationError(
-      f"{_WHAT}: batch_argnums {cfg.batch_argnums} but the function was "
-      f"called with {len(args)} positional argument(s)."
-    )
-  sizes = []
-  for n in cfg.batch_argnums:
-    for path, x in tree_utils.flat(args[n]):
-      if np.ndim(x) == 0:
-        raise WeightedAccumulationError(
-          f"{_WHAT}: batch argument {n} leaf {path} is a scalar; every batch "
-          "leaf needs a leading batch axis (pass it as another argument)."
-        )
-      sizes.append((np.shape(x)[0], n, path))
-  b = sizes[0][0] if sizes else 0
-  for size, n, path in sizes:
-    if size != b or size % k:
-      raise WeightedAccumulationError(
-        f"{_WHAT}: batch argument {n} leaf {path} has {size} rows; every "
-        f"batch leaf needs the same leading size, divisible by "
-        f"num_microbatches={k} (first leaf: {b} rows). Pad the batch (with "
-        "zero weight) to a multiple of num_microbatches."
-      )
-  return {
-    n: jax.tree.map(
-      lambda x: jnp.reshape(x, (x.shape[0] // k, k) + x.shape[1:]), args[n]
-    )
-    for n in cfg.batch_argnums
-  }
-
-
-def _take(args: tuple, split: dict, i: Any) -> list:
-  out = list(args)
-  for n, tree in split.items():
-    out[n] = jax.tree.map(
-      lambda x: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False), tree
-    )
-  return out
-
-
 # -------------------------------------------------------- one microbatch --
 
 
-def _unpack(res: Any, has_aux: bool) -> tuple[Any, Any, Any]:
-  """``loss_fn``'s result as ``(loss, weight, aux)``, or a named error."""
-  try:
-    (loss, weight), aux = res if has_aux else (res, None)
-  except (TypeError, ValueError):
-    want = "((loss, weight), aux)" if has_aux else "(loss, weight)"
-    raise WeightedAccumulationError(
-      f"{_WHAT}(loss_fn): it returned {type(res).__name__} "
-      f"{jax.tree.structure(res)}; with has_aux={has_aux} it must return "
-      f"{want}, where weight is the microbatch's item count (e.g. "
-      "mask.sum())."
-    ) from None
-  return loss, weight, aux
+def _objective(cfg, call, group, norms, i, threaded, scale):
+  """What one microbatch differentiates for one window: a function of the
+  differentiated leaves returning the window's scaled scalar and the
+  evaluation. One function per window: a term's backward pass never meets
+  another window's terms (a fully masked term's 0/0 stays out of it)."""
 
-
-def _scaled_loss(cfg: _Config):
-  """``loss_fn`` as a differentiable function of the args and the scale:
-  returns ``(loss * scale, (loss, weight, aux))``."""
-
-  def scaled(scale, *args):
-    loss, weight, aux = _unpack(cfg.loss_fn(*args), cfg.has_aux)
-    loss = jnp.asarray(loss)
-    if loss.ndim or not jnp.issubdtype(loss.dtype, jnp.floating):
-      raise WeightedAccumulationError(
-        f"{_WHAT}(loss_fn): the loss is {jax.typeof(loss)}, expected a "
-        f"floating scalar (the microbatch's loss {cfg.mode.upper()})."
+  def fn(values):
+    args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
+    ev = terms.evaluate(cfg, args, kwargs)
+    # At least float32; float64 stays float64 (under x64).
+    ct = numerics.compute_dtype(
+      jnp.result_type(*(ev.terms[t] for t in group.terms))
+    )
+    if group.known:
+      s = sum(
+        terms.part(cfg, ev, t, ct) / norms[t].astype(ct) for t in group.terms
       )
-    if jnp.ndim(weight):
-      raise WeightedAccumulationError(
-        f"{_WHAT}(loss_fn): the weight has shape {jnp.shape(weight)}, "
-        "expected a scalar (the microbatch's item count, e.g. mask.sum())."
-      )
-    weight = jax.lax.stop_gradient(jnp.asarray(weight))
-    ct = numerics.compute_dtype(loss.dtype)  # float64 stays float64
-    return loss.astype(ct) * scale.astype(ct), (loss, weight, aux)
+    else:
+      s = ev.terms[group.terms[0]].astype(ct)
+    return s * scale.astype(ct), ev
 
-  return scaled
+  return fn
 
 
 # --------------------------------------------------------------- the loop --
 
 
-def _loop(cfg: _Config, state: AccumState, args: tuple, split: dict, n_real):
-  """Runs the microbatches into ``state``. Returns ``(state, loss_sum,
-  weight_sum, aux_stack)``: this call's loss sum and weight (float32, over
-  the microbatches the state took)."""
-  axes = cfg.axis_name
-  scaled = _scaled_loss(cfg)
-  nums = tuple(n + 1 for n in cfg.argnums)  # argument 0 is the scale
-  vg = (
-    jax.value_and_grad(scaled, argnums=nums, has_aux=True)
-    if axes is None
-    else local_grads.local_value_and_grad(
-      scaled, axes, argnums=nums, has_aux=True
+class _Carry(NamedTuple):
+  states: tuple  # one AccumState per window (group)
+  sums: dict  # term -> (loss sum, weight sum), float32
+  aux: Any
+  threaded: tuple
+
+
+def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
+  """The evaluation's shapes (microbatch 0: term names, aux), the threaded
+  states checked to come back as they went in."""
+  values = margs.diff_values(call)
+
+  def first():
+    return terms.evaluate(
+      cfg, *margs.microbatch(call, cfg.roles, 0, values, threaded)
     )
-  )
-  scale = state.loss_scale
-  aux_shape = jax.eval_shape(
-    lambda: scaled(scale, *_take(args, split, 0))[1][2]
-  )
-  aux_buf = jax.tree.map(
-    lambda s: jnp.zeros((cfg.k,) + s.shape, s.dtype), aux_shape
-  )
+
+  ev = jax.eval_shape(first)
+  like = lambda t: [
+    (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(t)
+  ]
+  got, want = jax.tree.structure(ev.states), jax.tree.structure(threaded)
+  if got != want or like(ev.states) != like(threaded):
+    raise WeightedAccumulationError(
+      f"{_WHAT}(loss_fn): the new state it returns ({got}) is not shaped "
+      f"like the state argument(s) {cfg.roles.state_argnums} ({want}); the "
+      "state threaded through the microbatches must keep its structure, "
+      "shapes and dtypes."
+    )
+  return ev
+
+
+def _add(cfg, g, st, grads, ev) -> AccumState:
+  w = terms.presence(ev, g.terms) if g.known else ev.weights[g.terms[0]]
+  mean = cfg.mode == "mean" and not g.known
+  if cfg.spmd is not None:  # data_axes: FSDP grads may be scattered each
+    return cfg.spmd.add(st, grads, w, mean=mean, name=_WHAT)
+  return accumulation.add(st, grads, w, mean=mean, name=_WHAT)
+
+
+def _tally(cfg, g, old, new, ev, sums) -> dict:
+  """Adds the microbatch's loss sums and weights of ``g``'s terms, where
+  its window took it."""
+  took = new.rejected == old.rejected
+  sums = dict(sums)
+  for t in g.terms:
+    wf = ev.weights[t].astype(_F32)
+    part = terms.part(cfg, ev, t)
+    use = took & (wf > 0) if not g.known else took
+    loss_sum, w_sum = sums[t]
+    sums[t] = (
+      loss_sum + jnp.where(use, part, 0.0),
+      w_sum + jnp.where(took, wf, 0.0),
+    )
+  return sums
+
+
+def _body(cfg, call, groups, norms, scale):
+  axes = cfg.axis_name or ()
+
+  def body(i, carry: _Carry) -> _Carry:
+    values = tree_utils.to_varying(margs.diff_values(call), axes)
+    states, sums, ev = [], carry.sums, None
+    for g, st in zip(groups, carry.states):
+      fn = _objective(cfg, call, g, norms, i, carry.threaded, scale)
+      out, pull, got = jax.vjp(fn, values, has_aux=True)
+      ev = ev or got  # one evaluation: the others' forward is the same
+      one = jnp.ones((), out.dtype)
+      ct = tree_utils.vary_like(one, out, axes) if axes else one
+      grads = margs.as_params(call, pull(ct)[0], cfg.roles)
+      new = _add(cfg, g, st, grads, ev)
+      sums = _tally(cfg, g, st, new, ev, sums)
+      states.append(new)
+    aux = jax.tree.map(lambda b, a: b.at[i].set(a), carry.aux, ev.aux)
+    threaded = tree_utils.to_varying(ev.states, axes)
+    return _Carry(tuple(states), sums, aux, threaded)
+
+  return body
+
+
+def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
+  """Runs the microbatches into the windows ``states``; returns the final
+  carry (windows, per-term float32 loss sums and weights of the microbatches
+  taken, stacked aux, threaded states)."""
+  axes = cfg.axis_name or ()
+  scale = states[0].loss_scale
+  aux = jax.tree.map(lambda s: jnp.zeros((call.k,) + s.shape, s.dtype), ev.aux)
   zero = jnp.zeros((), _F32)
-  sums = tree_utils.to_varying((zero, zero), axes or ())
-  aux_buf = tree_utils.to_varying(aux_buf, axes or ())
-  mean = cfg.mode == "mean"
-
-  def body(i, carry):
-    st, sums, aux_buf = carry
-    (_, (loss, w, aux)), grads = vg(scale, *_take(args, split, i))
-    g = grads[0] if cfg.single else grads
-    if cfg.spmd is None:
-      new = accumulation.add(st, g, w, mean=mean, name=_WHAT)
-    else:  # data_axes: FSDP grads may be reduce-scattered per microbatch
-      new = cfg.spmd.add(st, g, w, mean=mean, name=_WHAT)
-    took = new.rejected == st.rejected  # not rejected (weight 0 adds 0)
-    wf = jnp.asarray(w, _F32)
-    part = loss.astype(_F32) * wf if mean else loss.astype(_F32)
-    add = (jnp.where(took & (wf > 0), part, 0.0), jnp.where(took, wf, 0.0))
-    sums = tuple(x + y for x, y in zip(sums, add))
-    aux_buf = jax.tree.map(lambda b, a: b.at[i].set(a), aux_buf, aux)
-    return new, sums, aux_buf
-
-  upper = cfg.k if n_real is None else n_real
-  st, (loss_sum, w_sum), aux = jax.lax.fori_loop(
-    0, upper, body, (state, sums, aux_buf)
+  sums = {t: (zero, zero) for t in ev.terms}
+  carry = _Carry(
+    tuple(states),
+    tree_utils.to_varying(sums, axes),
+    tree_utils.to_varying(aux, axes),
+    threaded,
   )
-  return st, loss_sum, w_sum, aux
+  upper = call.k if n_real is None else n_real
+  body = _body(cfg, call, groups, norms, scale)
+  return jax.lax.fori_loop(0, upper, body, carry)
 
 
-def _conclude(cfg: _Config, st: AccumState, loss_sum: jax.Array):
-  """The exact mean loss and gradient, on the one finish path; across
-  ``axis_name`` one reduction of the sums, the weights, the loss sum and
-  the rejection count."""
-  out, _, extra = window.finish(
-    st,
-    mean=True,
-    axes=cfg.axis_name or (),
-    extra={"loss_sum": loss_sum, "rejected": st.rejected.astype(_F32)},
-    plan=None if cfg.spmd is None else cfg.spmd.plan,
-    what=_WHAT,
-  )
-  loss = jnp.where(out.weight > 0, extra["loss_sum"] / out.weight, 0.0)
-  finite = out.finite & jnp.isfinite(extra["loss_sum"])
-  valid = out.valid & finite & (extra["rejected"] == 0)
-  return loss, out.replace(finite=finite, valid=valid)
+# ------------------------------------------------------------ the public --
 
 
 def _to_window(state: Any, axes: tuple[str, ...] | None):
@@ -233,57 +210,25 @@ def _to_window(state: Any, axes: tuple[str, ...] | None):
   ), block
 
 
-def _prepare(cfg: _Config, args: tuple, n_real: Any):
-  """The bound axes, the differentiated params, the split batch and the
-  number of real microbatches of one call."""
-  axes = cfg.axis_name
-  if axes is not None:
-    validation.bound_axes(axes, what=f"{_WHAT}(axis_name=...)")
-  if max(cfg.argnums) >= len(args):
-    raise WeightedAccumulationError(
-      f"{_WHAT}: argnums {cfg.argnums} but the function was called with "
-      f"{len(args)} positional argument(s). Pass the params at argnums and "
-      "the batch at batch_argnums."
-    )
-  params = (
-    args[cfg.argnums[0]] if cfg.single else tuple(args[i] for i in cfg.argnums)
-  )
-  n_real = validation.num_real(n_real, cfg.k, what=_WHAT)
-  return params, _split(args, cfg), n_real
-
-
 def _configure(loss_fn, num_microbatches, **kw) -> _Config:
-  k = validation.static_int(
-    num_microbatches,
-    what=f"{_WHAT}(num_microbatches=...)",
-    hint="The loop length is static; pass num_real_microbatches to run "
-    "fewer without recompiling.",
-  )
   if not callable(loss_fn):
     raise WeightedAccumulationError(
       f"{_WHAT}(loss_fn): {loss_fn!r} is not callable."
     )
-  diff = validation.argnums(kw["argnums"], what=_WHAT, name="argnums")
-  batch = validation.argnums(
-    kw["batch_argnums"], what=_WHAT, name="batch_argnums"
+  roles = margs.configure(
+    _WHAT,
+    num_microbatches=num_microbatches,
+    **{k: kw.pop(k) for k in _ROLE_KEYS},
   )
-  both = sorted(set(diff) & set(batch))
-  if both:
-    raise WeightedAccumulationError(
-      f"{_WHAT}: argument {both[0]} is in both argnums and batch_argnums; "
-      "the differentiated params and the split batch must be different "
-      "arguments."
-    )
-  dt = validation.work_dtype(kw["dtype"], what=f"{_WHAT}(dtype=...)")
   return _Config(
     loss_fn=loss_fn,
-    k=k,
     mode=validation.mode(kw["mode"], what=f"{_WHAT}(mode=...)"),
     has_aux=validation.static_flag(kw["has_aux"], what=f"{_WHAT}(has_aux=)"),
-    argnums=diff,
-    single=isinstance(kw["argnums"], (int, np.integer)),
-    batch_argnums=batch,
-    dtype=dt,
+    roles=roles,
+    dtype=validation.work_dtype(kw["dtype"], what=f"{_WHAT}(dtype=...)"),
+    grads_dtype=validation.grads_dtype(
+      kw["grads_dtype"], what=f"{_WHAT}(grads_dtype=...)"
+    ),
     loss_scale=validation.loss_scale(
       kw["loss_scale"], what=f"{_WHAT}(loss_scale=...)"
     ),
@@ -294,15 +239,115 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
   )
 
 
+_ROLE_KEYS = (
+  "microbatch_size",
+  "argnums",
+  "batch_argnums",
+  "batch_argnames",
+  "in_axes",
+  "state_argnums",
+  "key_argnums",
+  "split",
+)
+
+
+class _Prepared(NamedTuple):
+  call: margs.Call
+  n_real: Any
+  ev: terms.Eval
+  threaded: tuple
+
+
+def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
+  """One call's arguments checked and split, the evaluation's shapes."""
+  if cfg.axis_name is not None:
+    validation.bound_axes(cfg.axis_name, what=f"{_WHAT}(axis_name=...)")
+  call = margs.prepare(_WHAT, cfg.roles, args, kwargs)
+  if n_real is not None and not cfg.roles.split_named:
+    raise WeightedAccumulationError(
+      f"{_WHAT}: num_real_microbatches=n runs microbatches 0..n-1 only, so "
+      "the real rows must lie in them: name the split. split='contiguous' "
+      "(microbatch k = the k-th block of B/K rows) fits a loader's padded "
+      "batch, real rows first; split='strided' (microbatch k = rows k::K) "
+      "needs real row r to have r % K < n. Pass split= to "
+      "microbatched_value_and_grad."
+    )
+  n_real = validation.num_real(n_real, call.k, what=_WHAT)
+  axes = cfg.axis_name or ()
+  threaded = tree_utils.to_varying(margs.states(call, cfg.roles), axes)
+  return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
+
+
+def _with_state(cfg: _Config, result: Any, threaded: tuple) -> Any:
+  if not cfg.roles.state_argnums:
+    return result
+  return result, threaded[0] if cfg.roles.single_state else threaded
+
+
+def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
+  """``f``: one call's microbatches into fresh windows, closed."""
+  p = _prepare(cfg, args, kwargs, n_real)
+  names = list(p.ev.terms)
+  norms = validation.normalizers(
+    normalizers, names, what=f"{_WHAT}(...)(normalizers=...)"
+  )
+  groups = terms.groups(names, norms)
+  ls = cfg.loss_scale
+  if loss_scale is not None:
+    ls = validation.loss_scale(loss_scale, what=f"{_WHAT}(...)(loss_scale=)")
+  params = margs.as_params(p.call, margs.diff_values(p.call), cfg.roles)
+  if cfg.spmd is not None:  # scatter_each: a carry of each FSDP shard
+    params = cfg.spmd.buffers(params)
+  new = lambda: (
+    accumulation.init(params, cfg.dtype, ls)
+    if cfg.axis_name is None
+    else dist.init(params, cfg.axis_name, cfg.dtype, ls)
+  )
+  states = [new() for _ in groups]
+  carry = _loop(cfg, p.call, groups, norms, states, p.n_real, p.ev, p.threaded)
+  for st in carry.states:
+    if not tree_utils.is_traced(st.weight_hi):
+      finishing.refuse_empty(st, _WHAT)
+  loss, out = terms.conclude(cfg, p.call, groups, norms, carry)
+  result = ((loss, carry.aux), out) if cfg.has_aux else (loss, out)
+  return _with_state(cfg, result, carry.threaded)
+
+
+def _accumulate(cfg: _Config, state, args, kwargs, n_real):
+  """``f.accumulate``: one call's microbatches into an open window."""
+  p = _prepare(cfg, args, kwargs, n_real)
+  if list(p.ev.terms) != [None]:
+    raise WeightedAccumulationError(
+      f"{_WHAT}(...).accumulate: loss_fn returns loss terms "
+      f"{sorted(map(str, p.ev.terms))}; a window spanning calls has one "
+      "normaliser. Return one loss, or call the function itself per batch."
+    )
+  st, block = _to_window(state, cfg.axis_name)
+  groups = (terms.Group((None,), False),)
+  carry = _loop(cfg, p.call, groups, {}, [st], p.n_real, p.ev, p.threaded)
+  value, st = carry.sums[None], carry.states[0]
+  if block:
+    st = replicas.stack(st, cfg.axis_name)
+  result = ((value, carry.aux) if cfg.has_aux else value), st
+  return _with_state(cfg, result, carry.threaded)
+
+
 def microbatched_value_and_grad(
   loss_fn: Callable[..., Any],
-  num_microbatches: int,
+  num_microbatches: int | None = None,
   *,
   mode: str,
+  microbatch_size: int | None = None,
   has_aux: bool = False,
   argnums: int | Sequence[int] = 0,
-  batch_argnums: int | Sequence[int] = 1,
+  batch_argnums: int | Sequence[int] | None = None,
+  batch_argnames: str | Sequence[str] = (),
+  in_axes: int | Sequence[int] = 0,
+  split: str | None = None,
+  state_argnums: int | Sequence[int] = (),
+  key_argnums: int | Sequence[int] = (),
   dtype: Any = jnp.float32,
+  grads_dtype: Any = None,
   loss_scale: Any = 1.0,
   axis_name: str | Sequence[str] | None = None,
   data_axes: str | Sequence[str] | None = None,
@@ -311,31 +356,63 @@ def microbatched_value_and_grad(
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over K microbatches in one loop, exact.
 
-  The batch arguments are split into ``num_microbatches`` microbatches,
-  microbatch ``k`` holding rows ``k::K``; one loop iteration computes one
-  microbatch's loss and gradient and adds it to work-dtype buffers with
-  :func:`weighted_accum.accumulate_sum` (or ``accumulate_mean``), so only
-  one microbatch's activations are live at a time. The result is divided
-  once: it equals the gradient of the full batch's mean loss
-  ``sum(loss sums) / sum(weights)`` whatever the weights per microbatch.
+  The batch arguments are split into K microbatches; one loop iteration
+  computes one microbatch's loss and gradient and adds it to work-dtype
+  buffers with :func:`weighted_accum.accumulate_sum` (or
+  ``accumulate_mean``), so only one microbatch's activations are live at a
+  time. The result is divided once: it equals the gradient of the full
+  batch's mean loss ``sum(loss sums) / sum(weights)`` whatever the weights
+  per microbatch. Each argument of ``loss_fn`` has one role: differentiated
+  (``argnums``), split (``batch_argnums``, ``batch_argnames``), threaded
+  state (``state_argnums``), a random key per microbatch (``key_argnums``),
+  or passed unchanged (any value, strings and functions included).
 
   Args:
-    loss_fn: called as ``loss_fn(*args)`` on one microbatch; returns
-      ``(loss, weight)``, or ``((loss, weight), aux)`` with ``has_aux``.
-      ``weight`` is the microbatch's effective item count (e.g.
-      ``mask.sum()``), not differentiated.
-    num_microbatches: K, a positive int; the batch size must be divisible
-      by it.
+    loss_fn: called as ``loss_fn(*args, **kwargs)`` on one microbatch;
+      returns ``(loss, weight)``, or ``((loss, weight), aux)`` with
+      ``has_aux``; with ``state_argnums``, that paired with the new state:
+      ``(..., new_state)``. ``weight`` is the microbatch's effective item
+      count (e.g. ``mask.sum()``), not differentiated. ``loss`` may be a
+      dict of loss terms, each normalised by its own total weight (then
+      ``weight`` is a dict with the same keys, or one weight for all; a
+      weight of 1 per microbatch averages a term over the microbatches):
+      the gradient is that of the sum of the terms' means.
+    num_microbatches: K, a positive int dividing the batch size; or
+      ``None`` with ``microbatch_size``.
     mode: required. ``"sum"``: ``loss`` is the microbatch's loss SUM over
       its items; ``"mean"``: it is that sum divided by ``weight`` (a fully
       masked microbatch, 0/0, adds nothing). No default is safe: the wrong
       one weights every microbatch wrongly.
+    microbatch_size: the rows per microbatch instead of K (K = batch size /
+      microbatch_size), as ``optax.microbatching``.
     has_aux: whether ``loss_fn`` returns an aux value.
-    argnums: the positional argument(s) to differentiate (the params; any
-      pytree, ``nnx.State`` included).
-    batch_argnums: the positional argument(s) to split (any pytrees whose
-      leaves share a leading batch axis).
+    argnums: the positional argument(s) to differentiate (the params: any
+      pytree, ``nnx.State`` or a whole ``eqx.Module`` included). Only their
+      floating array leaves are differentiated; the others (ints, bools,
+      Python numbers, functions: an Equinox module's static half) are held
+      fixed and get ``None`` gradients, as with
+      ``eqx.filter_value_and_grad``.
+    batch_argnums: the positional argument(s) to split (pytrees whose leaves
+      share a batch axis); default 1, or none when ``batch_argnames`` is
+      given.
+    batch_argnames: keyword argument(s) to split (optax's ``argnames``).
+    in_axes: the batch axis of each batch argument: an int, or one int per
+      argument of ``batch_argnums`` then ``batch_argnames``.
+    split: how rows are dealt: ``"strided"`` (the default: microbatch k
+      holds rows ``k::K``, as ``optax.microbatching`` and MaxText; a
+      data-sharded batch stays spread over the devices) or ``"contiguous"``
+      (microbatch k holds rows ``[k*B/K, (k+1)*B/K)``: a loader's padded
+      batch, real rows first). Required with ``num_real_microbatches``.
+    state_argnums: positional argument(s) threaded through the loop
+      (batch-norm statistics, NNX RNG streams and other non-parameter
+      state, flax ``mutable`` collections): each microbatch gets the state
+      the previous one returned; ``f`` returns the last.
+    key_argnums: positional argument(s) holding one PRNG key each (or a
+      pytree of keys): microbatch i gets ``jax.random.fold_in(key, i)``, so
+      dropout differs across microbatches.
     dtype: the accumulation work dtype.
+    grads_dtype: the dtype of the returned gradients: ``None`` (the work
+      dtype), ``"params"`` (each param's own dtype), or a floating dtype.
     loss_scale: each microbatch's loss is multiplied by it before
       differentiating; divided out once at the end (float16: e.g. 2**12).
       A number, a scalar array, or a :class:`~weighted_accum.DynamicLossScale`
@@ -344,16 +421,22 @@ def microbatched_value_and_grad(
       does not recompile).
     axis_name: call ``f`` inside ``jax.shard_map`` over this data axis (or
       axes) with this replica's rows: gradients are local and the call does
-      ONE all-reduce of the sums and weights after the loop.
+      ONE all-reduce of the sums and weights after the loop (per window of
+      loss terms).
     data_axes: call ``f`` under plain ``jax.jit`` on the global batch, its
-      leading dimension sharded over these mesh axes (``Auto`` or
-      ``Explicit``; the mesh is the batch's, or ``jax.set_mesh``'s): the
-      loop then runs inside a partial-manual ``jax.shard_map`` over just
-      these axes around the ``axis_name`` path, so a call reduces the
-      gradient sums, the weights and the counters ONCE whatever K, and the
-      returned grads keep the params' shardings. The batch's rows must be
-      divisible by ``N * K`` (N: the replicas); microbatch ``k`` is then
-      rows ``k::K`` as without ``data_axes``. Not with ``axis_name``.
+      batch axis sharded over these mesh axes (``Auto`` or ``Explicit``;
+      the mesh is the batch's, or ``jax.set_mesh``'s): the loop then runs
+      inside a partial-manual ``jax.shard_map`` over just these axes around
+      the ``axis_name`` path, so a call reduces the gradient sums, the
+      weights and the counters ONCE whatever K, and the returned grads keep
+      the params' shardings. Each batch leaf's rows must be divisible by
+      ``N * K`` (N: the replicas); microbatch ``k`` is then rows ``k::K`` as
+      without ``data_axes`` (``split="strided"``; ``"contiguous"`` and
+      ``state_argnums`` are refused: each replica's blocks and states would
+      be its own). Random keys (``key_argnums``) are also folded with the
+      replica's index, so replicas draw different masks. Arguments that are
+      not arrays (strings, functions) reach ``loss_fn`` unchanged. Not with
+      ``axis_name``.
     param_specs: under ``Auto`` axes with ``data_axes``, the params'
       ``PartitionSpec`` tree (``None`` leaves: replicated), which the types
       do not carry there: params sharded over a data axis (FSDP) get
@@ -371,26 +454,33 @@ def microbatched_value_and_grad(
       ``docs/scaling.md`` has the measured figures.
 
   Returns:
-    ``f(*args, num_real_microbatches=None, loss_scale=None)`` returning
-    ``(loss, out)``, or ``((loss, aux), out)`` with ``has_aux``: ``loss``
-    the exact float32 mean loss, ``aux`` stacked on a leading K axis
-    (microbatch order, zeros where skipped; with ``data_axes`` each leaf is
-    ``[K, N, ...]``, ``aux[k, r]`` replica ``r``'s value for its rows of
-    microbatch ``k``, sharded over the data axes on dimension 1: per-row
-    aux reshaped to ``[K, -1, ...]`` is the layout without ``data_axes``),
-    ``out`` an
-    :class:`~weighted_accum.AccumulatedGradients` (mean gradient in
-    ``dtype``, total weight, ``issued``, ``finite``, ``valid``; ``valid`` is
-    also false when a microbatch's weight was negative or non-finite: such a
+    ``f(*args, num_real_microbatches=None, loss_scale=None,
+    normalizers=None, **kwargs)`` returning ``(loss, out)``, or ``((loss,
+    aux), out)`` with ``has_aux`` (with ``state_argnums``: that paired with
+    the last state). ``loss`` is the exact float32 mean loss (a dict of the
+    terms' means for a dict of terms), ``aux`` is stacked on a leading K
+    axis (microbatch order, zeros where skipped), ``out`` an
+    :class:`~weighted_accum.AccumulatedGradients` (mean gradient, total
+    weight (per term), ``issued``, ``finite``, ``valid``; ``valid`` is also
+    false when a microbatch's weight was negative or non-finite: such a
     microbatch is dropped). ``num_real_microbatches`` (an int, traced or
     not) runs only microbatches ``k < num_real_microbatches``; the others
     are not computed and no recompilation happens across values.
-    ``f.accumulate(state, *args, num_real_microbatches=None)`` adds the
-    call's microbatches to an open window ``state`` without finishing and
-    returns ``((loss_sum, weight), state)`` (``(((loss_sum, weight), aux),
-    state)`` with ``has_aux``), the call's unscaled loss sum and weight; it
-    uses the state's work dtype and loss scale. With ``data_axes`` it takes
-    a per-replica window stacked over the replicas
+    ``normalizers`` gives loss terms' normalisers known before the loop (a
+    number for a single loss, else a dict by term, traced values welcome):
+    such a term's sum is divided by it instead of by its total weight, and
+    all such terms share one window (one buffer, one backward pass); every
+    other term of a dict takes a window of its own. ``kwargs`` go to
+    ``loss_fn``. ``f.accumulate(state, *args, num_real_microbatches=None,
+    **kwargs)`` adds the call's microbatches to an open window ``state``
+    without finishing and returns ``((loss_sum, weight), state)``
+    (``(((loss_sum, weight), aux), state)`` with ``has_aux``; paired with
+    the last threaded state with ``state_argnums``), the call's unscaled
+    loss sum and weight; it uses the state's work dtype and loss scale.
+    With ``data_axes``, ``aux`` leaves are ``[K, N, ...]`` (``aux[k, r]``
+    replica ``r``'s value for its rows of microbatch ``k``, sharded over
+    the data axes on dimension 1), and ``f.accumulate`` takes a per-replica
+    window stacked over the replicas
     (:func:`weighted_accum.distributed.init` called outside ``shard_map``)
     and runs no collective: ``loss_sum`` and ``weight`` are per replica,
     ``[N]``; close the window with
@@ -399,13 +489,15 @@ def microbatched_value_and_grad(
     such a window (leading dimension 1) and returns one.
 
   Raises:
-    WeightedAccumulationError: for an invalid configuration, batch leaves
-      whose leading sizes differ or are not divisible by K, a ``loss_fn``
-      that does not return ``(loss, weight)``, a loss that is not a
-      floating scalar, an unbound ``axis_name``, ``data_axes`` that the
-      batch's mesh does not have or whose replicas times K do not divide the
-      batch, FSDP param specs the reduce-scatter cannot produce, or
-      (eagerly) a call whose total weight is 0.
+    WeightedAccumulationError: for an invalid configuration, arguments that
+      do not fit the roles, batch leaves whose sizes differ or are not
+      divisible by K, a ``loss_fn`` that does not return ``(loss, weight)``,
+      a loss that is not a floating scalar, a returned state shaped unlike
+      the state argument, ``num_real_microbatches`` without ``split``, an
+      unbound ``axis_name``, ``data_axes`` that the batch's mesh does not
+      have or whose replicas times K do not divide the batch, FSDP param
+      specs the reduce-scatter cannot produce, or (eagerly) a call whose
+      total weight is 0.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -425,195 +517,43 @@ def microbatched_value_and_grad(
     loss_fn,
     num_microbatches,
     mode=mode,
+    microbatch_size=microbatch_size,
     has_aux=has_aux,
     argnums=argnums,
     batch_argnums=batch_argnums,
+    batch_argnames=batch_argnames,
+    in_axes=in_axes,
+    split=split,
+    state_argnums=state_argnums,
+    key_argnums=key_argnums,
     dtype=dtype,
+    grads_dtype=grads_dtype,
     loss_scale=loss_scale,
     axis_name=axis_name,
     data_axes=data_axes,
     param_specs=param_specs,
     fsdp=fsdp,
   )
+  return _functions(cfg)
 
-  def f(*args, num_real_microbatches=None, loss_scale=None):
+
+def _functions(cfg: _Config) -> Callable[..., Any]:
+  """``f`` and its ``.accumulate`` for one configuration."""
+
+  def f(
+    *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
+  ):
+    call = (args, kw, num_real_microbatches, loss_scale, normalizers)
     if cfg.data_axes is not None:
-      return spmd.value_and_grad(
-        cfg, _value_and_grad, args, num_real_microbatches, loss_scale
-      )
-    return _value_and_grad(cfg, args, num_real_microbatches, loss_scale)
+      return spmd.value_and_grad(cfg, _step, call)
+    return _step(cfg, *call)
 
-  def accumulate(state, *args, num_real_microbatches=None):
+  def accumulate(state, *args, num_real_microbatches=None, **kw):
     if cfg.data_axes is not None:
       return spmd.accumulate(
-        cfg, _accumulate, state, args, num_real_microbatches
+        cfg, _accumulate, state, (args, kw, num_real_microbatches)
       )
-    return _accumulate(cfg, state, args, num_real_microbatches)
+    return _accumulate(cfg, state, args, kw, num_real_microbatches)
 
   f.accumulate = accumulate
   return f
-
-
-def _value_and_grad(cfg: _Config, args: tuple, num_real: Any, scale: Any):
-  """One call of ``f``: init, the loop, the finish."""
-  params, split, n_real = _prepare(cfg, args, num_real)
-  ls = cfg.loss_scale
-  if scale is not None:
-    ls = validation.loss_scale(scale, what=f"{_WHAT}(...)(loss_scale=)")
-  like = params if cfg.spmd is None else cfg.spmd.buffers(params)
-  st = (
-    accumulation.init(like, cfg.dtype, ls)
-    if cfg.axis_name is None
-    else dist.init(like, cfg.axis_name, cfg.dtype, ls)
-  )
-  st, loss_sum, _, aux = _loop(cfg, st, args, split, n_real)
-  if not tree_utils.is_traced(st.weight_hi):
-    finishing.refuse_empty(st, _WHAT)
-  loss, out = _conclude(cfg, st, loss_sum)
-  return ((loss, aux), out) if cfg.has_aux else (loss, out)
-
-
-def _accumulate(cfg: _Config, state: Any, args: tuple, num_real: Any):
-  """One call of ``f.accumulate``: the loop into an open window."""
-  _, split, n_real = _prepare(cfg, args, num_real)
-  st, block = _to_window(state, cfg.axis_name)
-  st, loss_sum, w_sum, aux = _loop(cfg, st, args, split, n_real)
-  if block:
-    st = replicas.stack(st, cfg.axis_name)
-  value = (loss_sum, w_sum)
-  return ((value, aux) if cfg.has_aux else value), st
-
-
-# ------------------------------------------------- optax.microbatching --
-
-
-class _Folded(NamedTuple):
-  """``aggregate``'s output: per-example values folded into one value of the
-  form ``((mean_loss, total_weight), mean_grads)`` (a pair, so it unpacks as
-  the result does; ``update`` adds it as a mean-loss microbatch)."""
-
-  value: Any
-  grads: Any
-
-
-def _unpack_value(value: Any) -> tuple[Any, Any, Any]:
-  try:
-    (loss, weight), grads = value
-  except (TypeError, ValueError):
-    raise WeightedAccumulationError(
-      "optax_accumulator: each microbatch's value must be ((loss, weight), "
-      "grads), as returned by jax.value_and_grad(loss_fn, has_aux=True) "
-      f"with loss_fn returning (loss, weight); got {type(value).__name__}."
-    ) from None
-  return loss, weight, grads
-
-
-def _fold(values: Any, mean: bool) -> _Folded:
-  """Per-example values (leading axis) folded into their exact weighted
-  mean, over the examples of valid positive weight (a select: a padded
-  example's NaN stays out). An invalid weight makes the total NaN (the
-  folded value is then refused by ``update`` and by the caller's checks)."""
-  loss, weight, grads = _unpack_value(values)
-  w = jnp.asarray(weight, _F32)
-  valid = jnp.isfinite(w) & (w >= 0)
-  take = valid & (w > 0)
-  total = jnp.sum(jnp.where(take, w, 0.0))
-  inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-  # An invalid weight: every output NaN (refused, not dropped).
-  total = jnp.where(jnp.all(valid), total, jnp.nan)
-  inv = jnp.where(jnp.all(valid), inv, jnp.nan)
-
-  def wmean(x):
-    x = jnp.asarray(x)
-    t = jnp.reshape(take, take.shape + (1,) * (x.ndim - 1))
-    xw = x.astype(_F32) * jnp.reshape(w, t.shape) if mean else x.astype(_F32)
-    return (jnp.sum(jnp.where(t, xw, 0.0), 0) * inv).astype(x.dtype)
-
-  return _Folded((wmean(loss), total), jax.tree.map(wmean, grads))
-
-
-def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
-  """An exact weighted ``optax.microbatching.Accumulator``.
-
-  A drop-in for ``accumulator=AccumulationType.MEAN`` in
-  ``optax.microbatching.microbatch`` / ``micro_vmap`` / ``micro_grad``: the
-  microbatched function returns ``((loss, weight), grads)``
-  (``jax.value_and_grad(loss_fn, has_aux=True)`` of a ``loss_fn`` returning
-  ``(loss, weight)``), and the result is ``((mean_loss, total_weight),
-  mean_grads)``, the exact full-batch values, where MEAN divides by the
-  microbatch count (equal weights whatever each microbatch's item count).
-  The carry is an :class:`~weighted_accum.AccumState`:
-  ``accumulate_sum``/``accumulate_mean`` add, one finish divides. Its
-  ``aggregate`` (what ``micro_vmap`` calls on per-example values, alone when
-  ``microbatch_size=None``) returns the same exact mean.
-
-  Examples of weight 0 or microbatches of weight 0 add nothing (even NaN). A
-  negative, NaN or infinite weight cannot raise inside optax's loop: it
-  makes the result's loss, total weight and grads NaN (refused, never
-  silently dropped), which a finiteness check such as
-  ``optax.apply_if_finite`` catches.
-
-  Args:
-    mode: required. ``"sum"`` when ``loss`` is the microbatch's loss SUM,
-      ``"mean"`` when it is the SUM divided by ``weight``.
-    dtype: the gradient buffers' work dtype.
-
-  Returns:
-    An ``optax.microbatching.Accumulator``.
-
-  Raises:
-    WeightedAccumulationError: for an unknown mode, a non-floating dtype, or
-      a value that is not ``((loss, weight), grads)``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax
-    >>> import weighted_accum as wa
-    >>> def loss_fn(w, x, mask):          # a per-microbatch masked mean
-    ...   n = mask.sum()
-    ...   return jnp.sum(mask * (x * w) ** 2) / jnp.maximum(n, 1), n
-    >>> x = jnp.arange(8.0)
-    >>> mask = jnp.array([1., 1, 1, 1, 1, 1, 0, 0])
-    >>> f = optax.microbatching.microbatch(
-    ...     jax.value_and_grad(loss_fn, has_aux=True), argnums=(1, 2),
-    ...     microbatch_size=2, accumulator=wa.optax_accumulator('mean'))
-    >>> (loss, weight), grads = f(1.0, x, mask)
-    >>> float(loss), float(weight), float(grads)   # (0+1+4+9+16+25) / 6
-    (9.166666984558105, 6.0, 18.33333396911621)
-  """
-  from optax import microbatching  # pylint: disable=g-import-not-at-top
-
-  what = "optax_accumulator"
-  mean = validation.mode(mode, what=f"{what}(mode=...)") == "mean"
-  dt = validation.work_dtype(dtype, what=f"{what}(dtype=...)")
-
-  def init(value):
-    _, _, grads = _unpack_value(value)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
-    return accumulation.init(zeros, dt), jnp.zeros((), _F32)
-
-  def update(carry, value, _):
-    st, loss_sum = carry
-    folded = isinstance(value, _Folded)
-    loss, weight, grads = _unpack_value(value)
-    as_mean = mean or folded
-    new = accumulation.add(st, grads, weight, mean=as_mean, name=what)
-    w = jnp.asarray(weight, _F32)
-    part = jnp.asarray(loss, _F32) * (w if as_mean else 1.0)
-    took = (new.rejected == st.rejected) & (w > 0)
-    return new, loss_sum + jnp.where(took, part, 0.0)
-
-  def finalize(carry):
-    st, loss_sum = carry
-    out, _, _ = window.finish(st, mean=True, what=what)
-    loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
-    bad = st.rejected > 0
-    nan = lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
-    grads = jax.tree.map(nan, out.grads)
-    return (nan(loss), nan(out.weight)), grads
-
-  return microbatching.Accumulator(
-    init=init,
-    update=update,
-    finalize=finalize,
-    aggregate=lambda values: _fold(values, mean),
-  )

@@ -28,8 +28,10 @@ from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from weighted_accum._src import accumulation
+from weighted_accum._src import microbatch_args as margs
 from weighted_accum._src import numerics
 from weighted_accum._src import replicas
 from weighted_accum._src import spmd_layout as layout_
@@ -174,94 +176,217 @@ def options(kw: dict) -> dict:
 
 
 def _params(cfg: Any, args: tuple) -> Any:
-  if max(cfg.argnums) >= len(args):
+  """The differentiated leaves in the params' structure (``None`` where a
+  leaf is held fixed), shaped like the gradients."""
+  trees = [
+    jax.tree.map(lambda x: x if margs.differentiable(x) else None, args[n])
+    for n in cfg.roles.argnums
+  ]
+  return trees[0] if cfg.roles.single else tuple(trees)
+
+
+def _refuse_roles(cfg: Any) -> None:
+  roles, axes = cfg.roles, cfg.data_axes
+  if roles.state_argnums:
     raise WeightedAccumulationError(
-      f"{_WHAT}: argnums {cfg.argnums} but the function was called with "
-      f"{len(args)} positional argument(s)."
+      f"{_WHAT}(data_axes={axes}, state_argnums={roles.state_argnums}): "
+      "each replica would thread its own state through its rows, and one "
+      "returned state cannot hold them. Call f inside jax.shard_map with "
+      "axis_name=... and combine the replicas' states yourself."
     )
-  if cfg.single:
-    return args[cfg.argnums[0]]
-  return tuple(args[i] for i in cfg.argnums)
+  if roles.split == "contiguous":
+    raise WeightedAccumulationError(
+      f"{_WHAT}(data_axes={axes}, split='contiguous'): each replica would "
+      "take the k-th block of its own rows, not the batch's k-th block. "
+      "Use split='strided' (microbatch k = rows k::K, the same rows with "
+      "or without data_axes)."
+    )
 
 
-def _check_batch(cfg: Any, args: tuple, axes: Axes, n: int, is_explicit: bool):
-  """Every batch leaf splits into the replicas' rows, then into K."""
-  for b in cfg.batch_argnums:
-    for path, x in tree_utils.flat(args[b] if b < len(args) else ()):
-      rows = jnp.shape(x)[0] if jnp.ndim(x) else 0
-      if rows % (n * cfg.k):
+class _Batch(NamedTuple):
+  """A batch leaf: where it is, its batch axis and its size there."""
+
+  name: str
+  x: Any
+  axis: int
+  rows: int
+
+
+def _batch_leaves(cfg: Any, args: tuple, kwargs: dict) -> list[_Batch]:
+  roles = cfg.roles
+  margs.check_indices(_WHAT, roles, args, kwargs)
+  trees = [(f"argument {n}", args[n]) for n in roles.batch_argnums]
+  trees += [(f"batch argument {n!r}", kwargs[n]) for n in roles.batch_argnames]
+  out = []
+  for (name, tree), ax in zip(trees, roles.in_axes):
+    for path, x in tree_utils.flat(tree):
+      nd = jnp.ndim(x)
+      a = ax + nd if ax < 0 else ax
+      if not 0 <= a < nd:
         raise WeightedAccumulationError(
-          f"{_WHAT}(data_axes={axes}): batch argument {b} leaf {path} has "
-          f"{rows} rows; each of the {n} replicas splits its rows into "
-          f"num_microbatches={cfg.k}, so the rows must be divisible by "
-          f"{n * cfg.k}. Pad the batch (with zero weight)."
+          f"{_WHAT}: {name} leaf {path} has shape {jnp.shape(x)}, with no "
+          f"batch axis {ax} (in_axes); every batch leaf needs one (pass "
+          "other values as another argument)."
         )
-      if is_explicit:
-        spec = jax.typeof(x).sharding.spec
-        if layout_.names(spec[0] if len(spec) else None) != axes:
-          raise WeightedAccumulationError(
-            f"{_WHAT}(data_axes={axes}): batch argument {b} leaf {path} is "
-            f"typed {jax.typeof(x)}; its leading dimension must be sharded "
-            f"over exactly the data axes, P({layout_.entry(axes)!r}, ...)."
-          )
+      rows = jnp.shape(x)[a]
+      out.append(_Batch(f"{name} leaf {path}", x, a, rows))
+  return out
 
 
-def layout(cfg: Any, args: tuple) -> tuple[Any, bool, Layout]:
-  """The mesh, whether its data axes are Explicit, and the params' layout
-  of one call with ``data_axes``."""
+def _num_microbatches(cfg: Any, batch: list[_Batch]) -> int:
+  roles = cfg.roles
+  if roles.microbatch_size is None:
+    return roles.num_microbatches
+  return max((batch[0].rows if batch else 0) // roles.microbatch_size, 1)
+
+
+def _check_batch(cfg, batch: list[_Batch], k: int, n: int, is_explicit: bool):
+  """Every batch leaf splits into the replicas' rows, then into K."""
   axes = cfg.data_axes
+  for b in batch:
+    if b.rows % (n * k) or b.rows != batch[0].rows:
+      raise WeightedAccumulationError(
+        f"{_WHAT}(data_axes={axes}): {b.name} has {b.rows} rows along its "
+        f"batch axis; each of the {n} replicas splits its rows into "
+        f"K={k} microbatches, so every batch leaf needs the same size, "
+        f"divisible by {n * k}. Pad the batch (with zero weight)."
+      )
+    if is_explicit:
+      spec = tuple(jax.typeof(b.x).sharding.spec)
+      got = spec[b.axis] if b.axis < len(spec) else None
+      if layout_.names(got) != axes:
+        raise WeightedAccumulationError(
+          f"{_WHAT}(data_axes={axes}): {b.name} is typed "
+          f"{jax.typeof(b.x)}; its batch axis {b.axis} must be sharded "
+          f"over exactly the data axes ({layout_.entry(axes)!r})."
+        )
+
+
+class _Plan(NamedTuple):
+  """One call's mesh and layout, and the inner (``axis_name``) config."""
+
+  mesh: Any
+  is_explicit: bool
+  lay: Layout
+  inner: Any
+
+
+def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
+  """The mesh, its axis type and the params' layout of one call with
+  ``data_axes``; the inner config runs on each replica's rows."""
+  axes = cfg.data_axes
+  _refuse_roles(cfg)
   if set(axes) & set(tree_utils.manual_axes()):
     raise WeightedAccumulationError(
       f"{_WHAT}(data_axes={axes}): called inside a shard_map over these "
       "axes. There, pass axis_name=... instead (this replica's rows)."
     )
-  batch = [
-    x
-    for b in cfg.batch_argnums
-    if b < len(args)
-    for x in jax.tree.leaves(args[b])
-  ]
-  mesh = layout_.find_mesh(batch, axes, what=f"{_WHAT}(data_axes={axes})")
+  batch = _batch_leaves(cfg, args, kwargs)
+  mesh = layout_.find_mesh(
+    [b.x for b in batch], axes, what=f"{_WHAT}(data_axes={axes})"
+  )
   is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(data_axes=...)")
   n = layout_.size(mesh, axes)
-  _check_batch(cfg, args, axes, n, is_explicit)
+  k = _num_microbatches(cfg, batch)
+  _check_batch(cfg, batch, k, n, is_explicit)
   params = _params(cfg, args)
   specs = _param_specs(cfg, params, is_explicit)
   leaves = tuple(
     layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
     for spec, (path, x) in zip(specs, tree_utils.flat(params))
   )
-  return mesh, is_explicit, Layout(axes, n, cfg.fsdp, leaves)
+  lay = Layout(axes, n, cfg.fsdp, leaves)
+  roles = cfg.roles._replace(num_microbatches=k, microbatch_size=None)
+  inner = cfg._replace(axis_name=axes, data_axes=None, spmd=lay, roles=roles)
+  return _Plan(mesh, is_explicit, lay, inner)
 
 
-def _gathered(cfg: Any, args: tuple, lay: Layout, is_explicit: bool) -> tuple:
+def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
   """The args as the ``shard_map`` takes them: on an Explicit mesh, FSDP
   params resharded to their specs without the data axes (one all-gather;
   under Auto axes the partitioner inserts it for the ``P()`` in_spec)."""
-  if not is_explicit or not any(leaf.scatter for leaf in lay.leaves):
+  lay = pl.lay
+  if not pl.is_explicit or not any(leaf.scatter for leaf in lay.leaves):
     return args
-  out, i = list(args), 0
-  for n in cfg.argnums:
-    leaves, treedef = jax.tree.flatten(args[n])
-    mine = lay.leaves[i : i + len(leaves)]
-    i += len(leaves)
-    leaves = [
-      jax.reshard(x, layout_.without(e.spec, lay.axes)) if e.scatter else x
-      for x, e in zip(leaves, mine)
-    ]
-    out[n] = jax.tree.unflatten(treedef, leaves)
+  it = iter(lay.leaves)
+
+  def one(x):
+    if not margs.differentiable(x):
+      return x
+    e = next(it)
+    return jax.reshard(x, layout_.without(e.spec, lay.axes)) if e.scatter else x
+
+  out = list(args)
+  for n in cfg.roles.argnums:
+    out[n] = jax.tree.map(one, args[n])
   return tuple(out)
 
 
-def _in_specs(cfg: Any, args: tuple, axes: Axes) -> tuple:
-  batch = P(layout_.entry(axes))
-  return tuple(
-    batch if n in cfg.batch_argnums else P() for n in range(len(args))
-  )
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+class _Split(NamedTuple):
+  """A call's arguments cut in two: the array leaves (into ``shard_map``,
+  with their specs) and the rest (closed over: strings, functions, an
+  Equinox module's static half)."""
+
+  treedef: Any
+  leaves: list
+  dynamic: list  # positions of the array leaves
+  specs: list
+
+
+def _batch_axis(cfg: Any, path: tuple, x: Any) -> int | None:
+  """The batch axis of the leaf at ``path`` of ``(args, kwargs, ...)``, or
+  ``None`` for a leaf that is not split."""
+  roles = cfg.roles
+  part = path[0].idx
+  if part not in (0, 1):
+    return None
+  where = path[1].idx if part == 0 else path[1].key
+  if part == 0 and where in roles.batch_argnums:
+    ax = roles.in_axes[roles.batch_argnums.index(where)]
+  elif part == 1 and where in roles.batch_argnames:
+    i = len(roles.batch_argnums) + roles.batch_argnames.index(where)
+    ax = roles.in_axes[i]
+  else:
+    return None
+  return ax + jnp.ndim(x) if ax < 0 else ax
+
+
+def _split(cfg: Any, call: tuple, pl: _Plan) -> _Split:
+  entry = layout_.entry(pl.lay.axes)
+  flat, treedef = jax.tree.flatten_with_path(call)
+  leaves = [x for _, x in flat]
+  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+  specs = []
+  for i in dynamic:
+    a = _batch_axis(cfg, *flat[i]) if len(flat[i][0]) > 1 else None
+    specs.append(P() if a is None else P(*([None] * a), entry))
+  return _Split(treedef, leaves, dynamic, specs)
+
+
+def _joined(sp: _Split, values: list) -> Any:
+  leaves = list(sp.leaves)
+  for i, v in zip(sp.dynamic, values):
+    leaves[i] = v
+  return jax.tree.unflatten(sp.treedef, leaves)
+
+
+def _replica_keys(cfg: Any, args: list, axes: Axes) -> list:
+  """Each random key folded with this replica's index: replicas draw
+  different masks for their different rows."""
+  if not cfg.roles.key_argnums:
+    return args
+  r = lax.axis_index(axes)
+  for n in cfg.roles.key_argnums:
+    args[n] = jax.tree.map(lambda key: jax.random.fold_in(key, r), args[n])
+  return args
 
 
 def grads_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
-  """The gradients' ``shard_map`` out specs, a tree like the params."""
+  """The gradients' ``shard_map`` out specs, a tree like the gradients."""
   treedef = jax.tree.structure(_params(cfg, args))
   return jax.tree.unflatten(treedef, lay.grad_specs())
 
@@ -291,12 +416,12 @@ def _constrain(g: Any, mesh: Any, spec: Any, is_explicit: bool) -> Any:
   return jax.device_put(g, NamedSharding(g.sharding.mesh, spec))
 
 
-def _placed(res: Any, lay: Layout, mesh: Any, is_explicit: bool) -> Any:
+def _placed(res: Any, pl: _Plan) -> Any:
   value, out = res
   leaves, treedef = jax.tree.flatten(out.grads)
   grads = [
-    _constrain(g, mesh, leaf.spec, is_explicit)
-    for g, leaf in zip(leaves, lay.leaves)
+    _constrain(g, pl.mesh, leaf.spec, pl.is_explicit)
+    for g, leaf in zip(leaves, pl.lay.leaves)
   ]
   return value, out.replace(grads=jax.tree.unflatten(treedef, grads))
 
@@ -307,42 +432,47 @@ def aux_per_replica(aux: Any, axes: Axes) -> Any:
   return jax.tree.map(lambda a: a[:, None], tree_utils.to_varying(aux, axes))
 
 
-def value_and_grad(
-  cfg: Any, step: Callable[..., Any], args: tuple, num_real: Any, scale: Any
-) -> Any:
-  """``f(*args)`` with ``data_axes``: ``step`` (the ``axis_name`` path)
-  inside a partial-manual ``shard_map`` over the data axes."""
-  mesh, is_explicit, lay = layout(cfg, args)
-  n_real = validation.num_real(num_real, cfg.k, what=_WHAT)
+def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
+  """``f(*args, **kwargs)`` with ``data_axes``: ``step`` (the ``axis_name``
+  path) inside a partial-manual ``shard_map`` over the data axes. ``call``
+  is ``(args, kwargs, num_real, loss_scale, normalizers)``."""
+  args, kwargs, num_real, scale, normalizers = call
+  pl = plan_call(cfg, args, kwargs)
+  k = pl.inner.roles.num_microbatches
+  n_real = validation.num_real(num_real, k, what=_WHAT)
   if scale is not None:
     scale = validation.loss_scale(scale, what=f"{_WHAT}(...)(loss_scale=)")
   ls = jnp.asarray(cfg.loss_scale if scale is None else scale)
-  inner = cfg._replace(axis_name=lay.axes, data_axes=None, spmd=lay)
+  axes = pl.lay.axes
+  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs, normalizers), pl)
 
-  def body(args, n_real, ls):
-    res = step(inner, args, n_real, ls)
+  def body(values, n_real, ls):
+    a, kw, norms = _joined(sp, values)
+    a = _replica_keys(cfg, list(a), axes)
+    res = step(pl.inner, tuple(a), kw, n_real, ls, norms)
     if cfg.has_aux:
       (loss, aux), out = res
-      return (loss, aux_per_replica(aux, lay.axes)), out
+      return (loss, aux_per_replica(aux, axes)), out
     return res
 
   res = jax.shard_map(
     body,
-    mesh=mesh,
-    in_specs=(_in_specs(cfg, args, lay.axes), P(), P()),
-    out_specs=_out_specs(cfg, args, lay),
-    axis_names=set(lay.axes),
-  )(_gathered(cfg, args, lay, is_explicit), n_real, ls)
-  return _placed(res, lay, mesh, is_explicit)
+    mesh=pl.mesh,
+    in_specs=(sp.specs, P(), P()),
+    out_specs=_out_specs(cfg, args, pl.lay),
+    axis_names=set(axes),
+  )([sp.leaves[i] for i in sp.dynamic], n_real, ls)
+  return _placed(res, pl)
 
 
 def accumulate(
-  cfg: Any, step: Callable[..., Any], state: Any, args: tuple, num_real: Any
+  cfg: Any, step: Callable[..., Any], state: Any, call: tuple
 ) -> Any:
-  """``f.accumulate(state, *args)`` with ``data_axes``: ``step`` on each
-  replica's block of a stacked per-replica window inside a partial-manual
-  ``shard_map``; no collective. The loss sum and the weight come back per
-  replica, ``[N]``."""
+  """``f.accumulate(state, *args, **kwargs)`` with ``data_axes``: ``step``
+  on each replica's block of a stacked per-replica window inside a
+  partial-manual ``shard_map``; no collective. The loss sum and the weight
+  come back per replica, ``[N]``. ``call`` is ``(args, kwargs, num_real)``."""
+  args, kwargs, num_real = call
   what = f"{_WHAT}(...).accumulate(state)"
   state = validation.instance(
     state,
@@ -351,7 +481,8 @@ def accumulate(
     hint="Pass a stacked per-replica window (distributed.init outside "
     "shard_map).",
   )
-  mesh, is_explicit, lay = layout(cfg, args)
+  pl = plan_call(cfg, args, kwargs)
+  lay = pl.lay
   if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
     raise WeightedAccumulationError(
       f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
@@ -365,12 +496,16 @@ def accumulate(
       f"weighted_accum.distributed.init(params, {lay.axes!r}) outside "
       "shard_map (a global wa.init window would need a reduction per call)."
     )
-  n_real = validation.num_real(num_real, cfg.k, what=_WHAT)
-  inner = cfg._replace(axis_name=lay.axes, data_axes=None, spmd=lay)
+  n_real = validation.num_real(
+    num_real, pl.inner.roles.num_microbatches, what=_WHAT
+  )
   one = P(layout_.entry(lay.axes))
+  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs), pl)
 
-  def body(block, args, n_real):
-    value, st = step(inner, block, args, n_real)
+  def body(block, values, n_real):
+    a, kw = _joined(sp, values)
+    a = _replica_keys(cfg, list(a), lay.axes)
+    value, st = step(pl.inner, block, tuple(a), kw, n_real)
     if cfg.has_aux:
       value, aux = value
     value = tuple(tree_utils.to_varying(v, lay.axes)[None] for v in value)
@@ -382,8 +517,8 @@ def accumulate(
   value_specs = ((one, one), P(None, one[0])) if cfg.has_aux else (one, one)
   return jax.shard_map(
     body,
-    mesh=mesh,
-    in_specs=(specs, _in_specs(cfg, args, lay.axes), P()),
+    mesh=pl.mesh,
+    in_specs=(specs, sp.specs, P()),
     out_specs=(value_specs, specs),
     axis_names=set(lay.axes),
-  )(state, _gathered(cfg, args, lay, is_explicit), n_real)
+  )(state, [sp.leaves[i] for i in sp.dynamic], n_real)

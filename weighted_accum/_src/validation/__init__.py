@@ -1,5 +1,6 @@
 """Every check of a value a caller hands in: one function per kind of input,
 each returning the value to store (one package: ``values``, ``options``,
+``calls`` (how an in-step microbatched function is configured and called),
 ``restored`` counters and the ``scaler``'s configuration; import it as
 ``validation`` and call ``validation.weight(...)``).
 
@@ -15,6 +16,16 @@ loss scale), because under ``jax.jit`` a Python exception cannot depend on
 them. The rules are tabulated in ``docs/inputs.md``.
 """
 
+from weighted_accum._src.validation.calls import SPLITS as SPLITS
+from weighted_accum._src.validation.calls import NORMALIZER_NOUN as NORMALIZER_NOUN
+from weighted_accum._src.validation.calls import optional_argnums as optional_argnums
+from weighted_accum._src.validation.calls import argnames as argnames
+from weighted_accum._src.validation.calls import in_axes as in_axes
+from weighted_accum._src.validation.calls import split as split
+from weighted_accum._src.validation.calls import grads_dtype as grads_dtype
+from weighted_accum._src.validation.calls import random_key as random_key
+from weighted_accum._src.validation.calls import normalizer as normalizer
+from weighted_accum._src.validation.calls import normalizers as normalizers
 from weighted_accum._src.validation.options import argnums as argnums
 from weighted_accum._src.validation.options import axis_names as axis_names
 from weighted_accum._src.validation.options import bool_scalar as bool_scalar
