@@ -160,6 +160,53 @@ def test_wrapper_mid_window_step_is_in_place_without_temporaries(inner):
   )
 
 
+def _peak_bytes(compiled) -> int:
+  """What a call holds at most: its arguments, its outputs that do not alias
+  a donated argument, and its temporaries."""
+  ma = compiled.memory_analysis()
+  return (
+    ma.argument_size_in_bytes
+    + ma.output_size_in_bytes
+    - ma.alias_size_in_bytes
+    + ma.temp_size_in_bytes
+  )
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["mid", "close"])
+def test_wrapper_step_peak_is_a_bare_step_plus_the_buffers(closing):
+  """The wrapper's donated train step, mid-window and closing, holds what a
+  bare donated AdamW step holds (params, moments, grads) plus one
+  parameter-sized tree: its buffers. optax.MultiSteps holds 4 more (its
+  buffers and 3 temporaries), the reference for the mid-window figure."""
+  inner = optax.adamw(1e-3)
+  grads = _tree(jnp.float32, 1)
+
+  def bare(params, opt_state, g):
+    updates, opt_state = inner.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  bare_peak = _peak_bytes(
+    jax.jit(bare, donate_argnums=(0, 1))
+    .lower(_fresh_copy(PARAMS), inner.init(PARAMS), grads)
+    .compile()
+  )
+  tx = wa.weighted_multi_steps(inner, 4, mode="mean")
+
+  def step(params, opt_state, g, w):
+    updates, opt_state = tx.update(
+      g, opt_state, params, weight=w, finish=jnp.bool_(closing)
+    )
+    return optax.apply_updates(params, updates), opt_state
+
+  peak = _peak_bytes(
+    jax.jit(step, donate_argnums=(0, 1))
+    .lower(_fresh_copy(PARAMS), tx.init(PARAMS), grads, 2.0)
+    .compile()
+  )
+  assert bare_peak >= 4 * BUFFER_BYTES
+  assert peak <= bare_peak + 1.01 * BUFFER_BYTES
+
+
 def test_wrapper_with_narrower_buffers_keeps_one_temporary_and_works():
   """bfloat16 buffers cannot carry float32 updates exactly: the wrapper falls
   back to zero updates out of its conditional (one parameter-sized

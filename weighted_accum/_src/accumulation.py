@@ -255,17 +255,21 @@ def check_room(state: AccumState, w: validation.Weight, name: str) -> None:
 
 def _structure(
   state: AccumState, grads: Any, name: str
-) -> tuple[list[Any], bool]:
-  """The grads' leaves and whether all sit on their buffers' shardings:
-  validated once per signature when eager (``eager_cache``)."""
+) -> tuple[list[Any], bool, Any]:
+  """The grads' leaves, whether all sit on their buffers' shardings, and
+  the grads' signature: validated once per signature when eager
+  (``eager_cache``)."""
   grads_sig, leaves = eager_cache.signature(grads)
+  placed = eager_cache.last_output(name, state, grads_sig)
+  if placed is not None:  # the state this entry point returned last
+    return leaves, placed, grads_sig
   bufs_sig, _ = eager_cache.signature(state.grads)
   key = None
   if grads_sig is not None and bufs_sig is not None:
     key = (name, grads_sig, bufs_sig)
     placed = eager_cache.lookup(key)
     if placed is not None:
-      return leaves, placed
+      return leaves, placed, grads_sig
   leaves = check_structure(state, grads, name)
   placed = all(
     not (isinstance(g, jax.Array) and isinstance(b, jax.Array))
@@ -276,7 +280,7 @@ def _structure(
   )
   if key is not None:
     eager_cache.remember(key, placed)
-  return leaves, placed
+  return leaves, placed, grads_sig
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
@@ -314,7 +318,11 @@ def _kernel(
   take = valid & (weight.hi > 0)
   dt = state.dtype
   ct = numerics.compute_dtype(dt)
-  w = weight.hi.astype(ct) + weight.lo.astype(ct)
+  # The microbatch's weight where it is taken, else 0; positive exactly
+  # where it is taken (a taken weight is normal and positive). One scalar
+  # that every leaf's loop reads (numerics.computed_once).
+  w = jnp.where(take, weight.hi.astype(ct) + weight.lo.astype(ct), 0)
+  w = numerics.computed_once(w)
 
   def update(buf, g):
     # Convert first, then scale (docs/design.md, "The math").
@@ -322,7 +330,7 @@ def _kernel(
     # A select, not a multiplication: a zero-weight or rejected microbatch
     # adds nothing even when its grads are NaN/Inf (0 * NaN would leak). Fuses
     # into one read-read-write loop per leaf.
-    return buf + jnp.where(take, contrib, jnp.zeros((), dt))
+    return buf + jnp.where(w > 0, contrib, jnp.zeros((), dt))
 
   buf_leaves, treedef = jax.tree.flatten(state.grads)
   new_buffers = jax.tree.unflatten(
@@ -374,10 +382,12 @@ def add(
       "..., data_axes=...) under jit."
     )
   checked = validation.static_flag(checked, what=f"{name}(checked=...)")
-  leaves, placed = _structure(state, grads, name)
+  leaves, placed, grads_sig = _structure(state, grads, name)
   w = convert_weight(state, weight, name)
   check_room(state, w, name)
-  if not allow_reduced:
+  if not allow_reduced and tree_utils.is_traced(w.hi):
+    # Only a traced weight can vary over mesh axes: the leaves' paths (for
+    # the error) are not built on eager calls.
     tree_utils.check_not_reduced_against_weight(
       list(zip(tree_utils.leaf_paths(state.grads), leaves)),
       w.hi,
@@ -393,7 +403,9 @@ def add(
     )
   if not placed:
     leaves = _on_buffer_shardings(state, leaves)
-  return _kernel(state, leaves, w, mean=mean)
+  new = _kernel(state, leaves, w, mean=mean)
+  eager_cache.remember_output(name, new, grads_sig, placed)
+  return new
 
 
 def accumulate_sum(

@@ -9,12 +9,18 @@ leaf's shape, dtype, weak type and sharding, so a call whose signature
 the buffers) was validated before skips them. A new signature is always
 validated; the weight's value is checked on every call. Under a
 transformation nothing is cached (tracing validates once anyway).
+
+The usual loop hands each call the state the previous call returned: those
+buffers are the kernel's outputs for buffers validated with grads of the same
+signature, so :func:`last_output` recognises that state (by identity, held
+weakly) and the buffers' signature is not read again.
 """
 
 from __future__ import annotations
 
 import operator
 from typing import Any
+import weakref
 
 import jax
 import numpy as np
@@ -65,6 +71,35 @@ def remember(key: Any, value: Any) -> None:
   _VALIDATED[key] = value
 
 
+# entry point -> (weakref to the state it last returned, the grads'
+# signature of that call, what the validation returned).
+_LAST: dict[str, tuple[Any, Any, Any]] = {}
+
+
+def last_output(name: str, state: Any, grads_sig: Any) -> Any:
+  """What the validation returned for the call of ``name`` that returned
+  ``state`` (the very object), when ``grads_sig`` is that call's grads
+  signature; else ``None``."""
+  entry = _LAST.get(name)
+  if entry is None or grads_sig is None:
+    return None
+  ref, sig, value = entry
+  return value if ref() is state and sig == grads_sig else None
+
+
+def remember_output(name: str, state: Any, grads_sig: Any, value: Any) -> None:
+  """Records that the call of ``name`` with grads of ``grads_sig`` returned
+  ``state`` (its buffers are the kernel's outputs: same structure, shapes,
+  dtypes and placement as the validated buffers)."""
+  if grads_sig is None:
+    return
+  try:
+    _LAST[name] = (weakref.ref(state), grads_sig, value)
+  except TypeError:  # not weakly referenceable: no fast path
+    _LAST.pop(name, None)
+
+
 def clear() -> None:
   """Forgets every signature (tests use it)."""
   _VALIDATED.clear()
+  _LAST.clear()

@@ -271,13 +271,17 @@ class _Inner(NamedTuple):
   Attributes:
     update: ``(g, inner_state, params) -> (updates, inner_state)``.
     shapes: the updates' shapes and dtypes, as ``optax.MultiSteps`` returns
-      them for these grads and params.
-    carry: whether the updates fit in the window's buffers exactly.
+      them for these grads and params; ``None`` until the close branch has
+      traced the update (then read from ``seen``).
+    carry: whether the updates travel in the window's buffers (assumed
+      while ``shapes`` is unknown, checked once it is).
+    seen: what the close branch's trace of ``update`` returned.
   """
 
   update: Callable[..., Any]
   shapes: Any
   carry: bool
+  seen: list
 
 
 def _inner_update(cfg, dtypes, extra_args, g, inner_state, params):
@@ -288,6 +292,10 @@ def _inner_update(cfg, dtypes, extra_args, g, inner_state, params):
   return cfg.inner.update(g, inner_state, params, **extra_args)
 
 
+def _traced(*trees: Any) -> bool:
+  return any(tree_utils.is_traced(x) for x in jax.tree.leaves(trees))
+
+
 def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
   """How the window reaches the inner optimizer, in which dtypes.
 
@@ -296,6 +304,13 @@ def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
   that wide and at least as wide as the params (float16 params with float32
   grads get float32, never a float16 mean that overflows); the updates come
   back in MultiSteps' dtypes and the inner state in its own.
+
+  The updates' shapes come from the close branch's own trace of the inner
+  update when the grads are as wide as the params (the usual case): a
+  separate ``jax.eval_shape`` would trace the whole inner optimizer a
+  second time, a quarter of the step's tracing. Only a widened gradient
+  (whose updates MultiSteps would return narrower) or an eager call (where
+  a conditional runs at once) is traced ahead.
   """
   ms_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
   dtypes = ms_dtypes
@@ -307,20 +322,22 @@ def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
       jnp.promote_types(d, jnp.result_type(p))
       for d, p in zip(ms_dtypes, p_leaves)
     ]
-  ms_update = functools.partial(_inner_update, cfg, ms_dtypes, extra_args)
-  shapes = jax.eval_shape(
-    ms_update, state.acc_grads, state.inner_opt_state, params
-  )[0]
   wide = functools.partial(_inner_update, cfg, dtypes, extra_args)
+  shapes = None
+  if dtypes != ms_dtypes or not _traced(grads, state.acc_grads):
+    ms_update = functools.partial(_inner_update, cfg, ms_dtypes, extra_args)
+    shapes = jax.eval_shape(
+      ms_update, state.acc_grads, state.inner_opt_state, params
+    )[0]
 
   def update(g, inner_state, params):
     upd, new_inner = wide(g, inner_state, params)
-    return (
-      tree_utils.cast_like(upd, shapes),
-      tree_utils.cast_like(new_inner, inner_state),
-    )
+    if shapes is not None:
+      upd = tree_utils.cast_like(upd, shapes)
+    return upd, tree_utils.cast_like(new_inner, inner_state)
 
-  return _Inner(update, shapes, _can_carry(shapes, state.acc_grads))
+  carry = shapes is None or _can_carry(shapes, state.acc_grads)
+  return _Inner(update, shapes, carry, [])
 
 
 def _can_carry(shapes: Any, buffers: Any) -> bool:
@@ -343,7 +360,7 @@ def _zero_updates(shapes: Any) -> Any:
 
 
 class _Closed(NamedTuple):
-  """What :func:`_close` and :func:`_stay_open` return.
+  """What :func:`_close` returns.
 
   Attributes:
     carrier: the applied window's updates written over its buffers (when
@@ -375,7 +392,13 @@ def _apply(cfg: Config, inner: _Inner, buffers: Any, g: Any, operands: Any):
   the inner state and whether the updates are applied."""
   inner_state, params = operands
   upd, new_inner = inner.update(g, inner_state, params)
+  inner.seen.append(
+    jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape, u.dtype), upd)
+  )
   if inner.carry:
+    if inner.shapes is None and not _can_carry(upd, buffers):
+      # A placeholder: the caller traces the close again without carrying.
+      return buffers, new_inner, jnp.bool_(True)
     upd = jax.tree.map(lambda u, b: u.astype(b.dtype), upd, buffers)
   if not cfg.skip_nonfinite_updates:
     return upd, new_inner, jnp.bool_(True)
@@ -409,43 +432,42 @@ def _scale_rule(scaler: DynamicLossScale | None, next_ls: Any, adjusted: list):
   return rule
 
 
-def _close(cfg, inner, next_ls, accum, inner_state, params, scaler) -> _Closed:
-  """Closes the window on the one close path: applies it if valid (a
-  conditional, so an invalid window never reaches the inner optimizer),
-  and starts the next one."""
+def _close(cfg, inner, next_ls, closing, accum, inner_state, params, scaler):
+  """Closes the window where ``closing`` on the one close path, in one
+  conditional (``window.close(when=closing)``): the inner update runs only
+  for a closing valid window; mid-window and for an invalid window the
+  buffers and the inner state pass through untouched (no write, no copy).
+  The counters' selects are scalars."""
   adjusted: list = []
-  (upd, new_inner, applied), _, new, out = window.close(
+  (upd, new_inner, applied), zero, new, out = window.close(
     accum,
     (inner_state, params),
     functools.partial(_apply, cfg, inner, accum.grads),
     functools.partial(_skip, inner),
     next_loss_scale=_scale_rule(scaler, next_ls, adjusted),
     mean=cfg.use_grad_mean,
+    when=closing,
   )
-  nonempty = out.weight > 0
+  pick = lambda a, b: jnp.where(closing, a, b)
+  nonempty = closing & (out.weight > 0)
+  # ``zero`` (0, from the conditional) makes the reset of the buffers depend
+  # on the conditional, so XLA runs it after the conditional's read of them
+  # (else it copies them first: without carrying, the reset is a
+  # conditional of its own).
+  consumed = nonempty & ~(zero > 0)
+  new_counters, old = base.of(new), base.of(accum)
+  if adjusted:
+    scaler = jax.tree.map(pick, adjusted[0], scaler)
   return _Closed(
     carrier=upd,
     inner_state=new_inner,
-    counters=new.replace(grads=None),
+    counters=accum.replace(
+      grads=None, **{k: pick(v, old[k]) for k, v in new_counters.items()}
+    ),
     applied=applied,
     nonfinite=nonempty & ~applied,
-    consumed=nonempty,
-    empty=~nonempty,
-    scaler=adjusted[0] if adjusted else scaler,
-  )
-
-
-def _stay_open(inner, accum, inner_state, params, scaler) -> _Closed:
-  del params
-  f = jnp.bool_(False)
-  return _Closed(
-    carrier=accum.grads if inner.carry else _zero_updates(inner.shapes),
-    inner_state=inner_state,
-    counters=accum.replace(grads=None),
-    applied=f,
-    nonfinite=f,
-    consumed=f,
-    empty=f,
+    consumed=consumed,
+    empty=closing & ~(out.weight > 0),
     scaler=scaler,
   )
 
@@ -483,6 +505,30 @@ def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
     closed.carrier,
   )
   return updates, buffers
+
+
+def _closed(cfg, inner, next_ls, closing, accum, state, params):
+  """:func:`_close` and the plan it ran with (its ``shapes`` known). Traced
+  once more, without carrying, when the updates the close branch traced do
+  not fit the buffers."""
+  run = lambda inner: _close(
+    cfg,
+    inner,
+    next_ls,
+    closing,
+    accum,
+    state.inner_opt_state,
+    params,
+    state.loss_scaler,
+  )
+  closed = run(inner)
+  if inner.shapes is None:
+    shapes = inner.seen[0]
+    if _can_carry(shapes, accum.grads):
+      return closed, inner._replace(shapes=shapes)
+    inner = inner._replace(shapes=shapes, carry=False, seen=[])
+    closed = run(inner)
+  return closed, inner
 
 
 # ---------------------------------------------------------------- update --
@@ -578,17 +624,9 @@ def update(
   mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
   closing = _closes(cfg, finish, mini_step, state.gradient_step)
   inner = _plan_inner(cfg, state, grads, params, extra_args)
-  # Mid-window the inner update is not computed: both branches of this
-  # conditional pass the buffers and the inner state through untouched.
-  closed = lax.cond(
-    closing,
-    functools.partial(_close, cfg, inner, next_ls),
-    functools.partial(_stay_open, inner),
-    accum,
-    state.inner_opt_state,
-    params,
-    state.loss_scaler,
-  )
+  # Mid-window the inner update is not computed: the one conditional's
+  # skipping branch passes the buffers and the inner state through.
+  closed, inner = _closed(cfg, inner, next_ls, closing, accum, state, params)
   updates, buffers = _outputs(closed, inner, accum.grads)
   new = _next_state(
     state, closed, buffers, closing, mini_step, accum, skip_state

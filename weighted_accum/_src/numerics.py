@@ -2,11 +2,12 @@
 precision scaling runs in, bit-level classification of values, and the one
 finiteness reduction.
 
-The finiteness reduction is a SUM of ``x * 0`` (0 for a finite value, NaN for
+The finiteness reduction is a SUM of ``x - x`` (0 for a finite value, NaN for
 NaN and Inf), not a max: a cross-device max on XLA:CPU drops NaN, a sum
 cannot, and XLA fuses it into one read of ``x`` with no temporary (a boolean
-``all(isfinite(x))`` materialises one). See ``docs/design.md``
-("Finiteness").
+``all(isfinite(x))`` materialises one, and so does ``x * 0`` for leaves of
+one shape: XLA:CPU shares their zero broadcast and writes it out). See
+``docs/design.md`` ("Finiteness").
 """
 
 from __future__ import annotations
@@ -110,6 +111,18 @@ def mean_contribution(g: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
   return (g.astype(dtype).astype(compute_dtype(dtype)) * weight).astype(dtype)
 
 
+def computed_once(x: jax.Array) -> jax.Array:
+  """``x`` (a scalar), computed once for all the loops that read it.
+
+  XLA:CPU copies the whole computation of a scalar into every fused loop
+  that reads it (a weight's validity checks: ~60 instructions in each
+  leaf's accumulate loop), which costs compile time, not run time. A value
+  that comes out of a reduction over a small vector is computed once and
+  read by each loop. The same value either way (``max`` of copies of ``x``).
+  """
+  return jnp.max(jnp.broadcast_to(x, (2, 2)), axis=0)[0]
+
+
 # ------------------------------------------------------------------ bits --
 
 
@@ -142,18 +155,31 @@ def nonzero(x: Any) -> jax.Array:
 # ------------------------------------------------------------ finiteness --
 
 
+def _zero_or_nan(x: jax.Array) -> jax.Array:
+  """0 where ``x`` is finite, NaN where it is NaN or Inf (``inf - inf``)."""
+  return x - x
+
+
+def _nan_only(x: jax.Array) -> jax.Array:
+  """NaN where ``x`` is NaN, else 0 (``min(|x|, max)`` is finite for Inf)."""
+  top = jnp.asarray(jnp.finfo(x.dtype).max, x.dtype)
+  clipped = jnp.minimum(jnp.abs(x), top)
+  return clipped - clipped
+
+
 def nonfinite_mark(x: jax.Array) -> jax.Array:
   """A float32 scalar: 0 when every value of ``x`` is finite, NaN when one is
   NaN or Inf (0 for an empty array).
 
   Marks add (``+``), survive any ``psum`` (0 times the replica count is 0,
   NaN stays NaN) and are read with ``jnp.isnan``: a NaN-safe reduction where
-  a max is not.
+  a max is not. ``x - x`` is 0 or NaN (``inf - inf``) and reads only ``x``;
+  the sum runs in float32 inside the reduction (no separate conversion).
   """
   x = jnp.asarray(x)
   if x.size == 0:
     return jnp.zeros((), jnp.float32)
-  return jnp.sum(x * jnp.zeros((), x.dtype)).astype(jnp.float32)
+  return jnp.sum(_zero_or_nan(x), dtype=jnp.float32)
 
 
 def nan_mark(x: jax.Array) -> jax.Array:
@@ -163,14 +189,98 @@ def nan_mark(x: jax.Array) -> jax.Array:
   x = jnp.asarray(x)
   if x.size == 0:
     return jnp.zeros((), jnp.float32)
-  top = jnp.asarray(jnp.finfo(x.dtype).max, x.dtype)
-  clipped = jnp.minimum(jnp.abs(x), top)
-  return jnp.sum(clipped * jnp.zeros((), x.dtype)).astype(jnp.float32)
+  return jnp.sum(_nan_only(x), dtype=jnp.float32)
+
+
+_ELEMENTWISE = {nonfinite_mark: _zero_or_nan, nan_mark: _nan_only}
+# Leaves of at most this many elements are marked together (see tree_mark);
+# larger ones are reduced on their own (XLA's reduction emitter).
+_SMALL = 1 << 16
+_GROUP = 32
+
+
+def _unpartitioned(x: jax.Array) -> bool:
+  """Whether ``x`` is known not to be split over devices by XLA's SPMD
+  partitioner: no mesh, only manual axes (inside ``shard_map``), or
+  explicit axes its type does not shard it over. A variadic reduction of
+  partitioned vectors is all-gathered (a gradient sharded over a model axis
+  would be gathered to read its finiteness), so only these are grouped."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return True
+  free = {
+    a
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if t != jax.sharding.AxisType.Manual and mesh.shape[a] > 1
+  }
+  if not free:
+    return True
+  if any(
+    t == jax.sharding.AxisType.Auto
+    for a, t in zip(mesh.axis_names, mesh.axis_types)
+    if a in free
+  ):
+    return False  # placed by the partitioner: unknown here
+  used = set()
+  for entry in sharding.spec:
+    used.update(
+      () if entry is None else (entry,) if isinstance(entry, str) else entry
+    )
+  return not used & free
+
+
+def _group_key(x: jax.Array) -> Any:
+  """Leaves that may share one reduction: small leaves of one shape and
+  dtype that are not partitioned (and, when concrete, one placement)."""
+  if not 0 < x.size <= _SMALL or not _unpartitioned(x):
+    return None
+  placement = None
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    placement = x.sharding
+  return x.shape, x.dtype, placement
+
+
+def _grouped_marks(xs: list[jax.Array], elementwise) -> list[jax.Array]:
+  """The marks of same-shaped leaves, one variadic reduction per
+  ``_GROUP`` of them: XLA:CPU turns the reduction of a small vector into
+  three loops and that of a small matrix into one, a variadic one into one
+  loop for the whole group."""
+  marks = []
+  for i in range(0, len(xs), _GROUP):
+    parts = tuple(
+      elementwise(x).astype(jnp.float32) for x in xs[i : i + _GROUP]
+    )
+    marks.extend(
+      lax.reduce(
+        parts,
+        tuple(jnp.zeros((), jnp.float32) for _ in parts),
+        lambda a, b: tuple(u + v for u, v in zip(a, b)),
+        tuple(range(parts[0].ndim)),
+      )
+    )
+  return marks
 
 
 def tree_mark(tree: Any, mark=nonfinite_mark) -> jax.Array:
-  """The sum of ``mark`` over the leaves of ``tree`` (0 for no leaves)."""
-  marks = [mark(x) for x in jax.tree.leaves(tree)]
+  """The sum of ``mark`` over the leaves of ``tree`` (0 for no leaves).
+
+  Small leaves of one shape (biases, norm scales, small kernels; at most
+  ``_SMALL`` elements, not partitioned) are reduced together, in one
+  variadic reduction per group (the same sum, NaN-safe): one loop per group
+  instead of one to three per leaf, which XLA:CPU compiles in time that
+  grows with the loops."""
+  elementwise = _ELEMENTWISE.get(mark)
+  marks, groups = [], {}
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    key = None if elementwise is None else _group_key(x)
+    if key is None:
+      marks.append(mark(x))
+    else:
+      groups.setdefault(key, []).append(x)
+  for xs in groups.values():
+    marks.extend(_grouped_marks(xs, elementwise))
   return sum(marks[1:], marks[0]) if marks else jnp.zeros((), jnp.float32)
 
 

@@ -237,6 +237,27 @@ def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
   return tuple(lax.psum(marks, axes))
 
 
+def gated_marks(tree: Any, when: jax.Array | None) -> tuple[jax.Array]:
+  """``(mark,)``: the global finiteness mark of ``tree`` (see
+  :func:`global_marks`), read only where ``when`` is true (0 elsewhere).
+
+  The read runs in a ``lax.cond`` whose outputs are one scalar: a step that
+  closes a window only sometimes (the optax wrapper) does not read its
+  buffers on the other steps, and the conditional that applies the window
+  need not be nested in another one (each conditional's outputs are copied
+  at its boundary by XLA's copy insertion, whose cost grows faster than the
+  number of leaves)."""
+  if when is None:
+    return global_marks((numerics.tree_mark(tree),))
+  mark = lax.cond(
+    when,
+    lambda t: global_marks((numerics.tree_mark(t),))[0],
+    lambda t: jnp.zeros((), jnp.float32),
+    tree,
+  )
+  return (mark,)
+
+
 def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
   if set(axes) & tree_utils.varying_axes(loss_scale):
     raise WeightedAccumulationError(
@@ -256,6 +277,7 @@ def result(
   *,
   mean: bool,
   require_weight: bool,
+  when: jax.Array | None = None,
 ) -> AccumulatedGradients:
   """What a finish returns, from the (global) sums and weight.
 
@@ -270,6 +292,10 @@ def result(
   the result is NaN exactly where a sum was non-finite
   (``divide(..., mark_nonfinite=True)``), so a NaN is a non-finite pending
   value and an Inf an overflow of the mean.
+
+  With ``when`` (a traced bool; ``mean=False`` only) the sums are read only
+  where it is true, inside a ``lax.cond`` whose only outputs are the marks
+  (see :func:`gated_marks`); elsewhere the result says finite.
   """
   loss_scale = jnp.asarray(loss_scale)
   usable = validation.scale_ok(loss_scale)
@@ -287,7 +313,7 @@ def result(
     usable = usable & ~jnp.isnan(any_bad)
   else:
     grads = sums
-    (any_bad,) = global_marks((numerics.tree_mark(grads),))
+    (any_bad,) = gated_marks(grads, when)
     finite = ~jnp.isnan(any_bad)
   return AccumulatedGradients(
     grads=grads,
@@ -310,6 +336,7 @@ def finish(
   extra: Mapping[str, Any] | None = None,
   plan: Any = None,
   what: str = "finish",
+  when: jax.Array | None = None,
 ) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
   """Finishes ``state``'s window: the one finish path of the library.
 
@@ -340,6 +367,9 @@ def finish(
     plan: with ``axes``, how to reduce each buffer (see
       :func:`psum_window`; FSDP buffers are reduce-scattered).
     what: how to name the caller in errors.
+    when: a traced bool (``mean=False``, no ``axes``): read the sums'
+      finiteness only where it is true (see :func:`gated_marks`); the
+      result is meaningful only there.
 
   Returns:
     ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps
@@ -350,6 +380,8 @@ def finish(
       them.
   """
   keep_empty = mean if keep_empty is None else keep_empty
+  if when is not None and (mean or axes):
+    raise ValueError("finish(when=...) takes mean=False and no axes")
   sums = state.grads
   scalars = {k: getattr(state, k) for k in base.named(base.SUMMED)}
   scalars.update(extra or {})
@@ -367,6 +399,7 @@ def finish(
     scalars["issued"],
     mean=mean,
     require_weight=keep_empty,
+    when=when,
   )
   keep = ~(weight > 0) if keep_empty else None
   if callable(next_loss_scale):  # a dynamic scale, from this window's result
@@ -414,6 +447,7 @@ def close(
   next_loss_scale: Any = None,
   mean: bool = True,
   axes: Axes = (),
+  when: jax.Array | None = None,
 ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
   """The close kernel of :func:`apply_window` and of the optax wrapper,
   generic in what it applies.
@@ -436,6 +470,10 @@ def close(
     next_loss_scale: as for :func:`finish`.
     mean: hand ``apply`` the weighted mean (``True``) or the weighted sum.
     axes: the data axes to reduce the window over (inside ``shard_map``).
+    when: a traced bool, for a step that closes the window only sometimes
+      (the optax wrapper): where false nothing is read and ``skip`` runs;
+      ``out`` and ``new_state`` are meaningful only where it is true. One
+      conditional either way (its predicate is ``when & valid``).
 
   Returns:
     ``(result, zero, new_state, out)``. ``zero`` is a 0 of the weight's
@@ -452,6 +490,7 @@ def close(
     keep_empty=True,
     next_loss_scale=next_loss_scale,
     axes=axes,
+    when=when,
   )
   zero_dtype = out.weight.dtype
 
@@ -466,9 +505,8 @@ def close(
     # that XLA could forward out of the conditional.
     return skip(sums, operands), jnp.minimum(out.weight, 0)
 
-  res, zero = lax.cond(
-    out.valid, valid_branch, invalid_branch, out.grads, operands
-  )
+  pred = out.valid if when is None else when & out.valid
+  res, zero = lax.cond(pred, valid_branch, invalid_branch, out.grads, operands)
   return res, zero, new_state, out.replace(grads=None)
 
 
