@@ -190,6 +190,15 @@ def test_any_batch_axis_and_split_equals_the_full_batch(ax, ay, k, split, seed):
 # ----------------------------------------------------------- ragged batches --
 
 
+@functools.cache
+def _contiguous_step(k):
+  """One compilation per K: the number of real microbatches is traced."""
+  f = wa.microbatched_value_and_grad(
+    sum_loss, k, mode="sum", split="contiguous"
+  )
+  return jax.jit(lambda p, b, n: f(p, b, num_real_microbatches=n))
+
+
 @given(st.integers(1, 16), st.sampled_from([1, 2, 4, 8]), st.integers(0, 99))
 def test_a_loaders_padded_batch_keeps_every_real_row(real, k, seed):
   """Real rows first, padding after (a loader's short last batch): with the
@@ -198,10 +207,7 @@ def test_a_loaders_padded_batch_keeps_every_real_row(real, k, seed):
   p, b = _params(), _batch(16, seed, real=real)
   rows = 16 // k
   n_real = -(-real // rows)
-  f = jax.jit(
-    wa.microbatched_value_and_grad(sum_loss, k, mode="sum", split="contiguous")
-  )
-  _, out = f(p, b, num_real_microbatches=n_real)
+  _, out = _contiguous_step(k)(p, b, jnp.int32(n_real))
   assert float(out.weight) == float(b["mask"].sum())
   assert int(out.issued) == n_real
   assert rel_err(out.grads, _full(p, b)) < 1e-5
