@@ -170,7 +170,7 @@ def _diff(what: str, n: int, x: Any) -> Diff:
   return Diff(treedef, mask, tuple(leaves))
 
 
-def check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
+def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
   for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums"):
     nums = getattr(roles, name)
     if nums and max(nums) >= len(args):
@@ -241,12 +241,22 @@ def _reshape(x: Any, a: int, k: int, split: str) -> tuple[Any, int]:
   return y, a + 1 if split == "strided" else a
 
 
+def _batch_trees(roles: Roles, args: tuple, kwargs: dict) -> list:
+  trees = [("arg", n, args[n]) for n in roles.batch_argnums]
+  return trees + [("kw", n, kwargs[n]) for n in roles.batch_argnames]
+
+
+def batch_leaves(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
+  """``(name, leaf, axis, size)`` of every batch leaf of one call, checked
+  against the roles (each leaf has its batch axis)."""
+  _check_indices(what, roles, args, kwargs)
+  return _batch_sizes(what, roles, _batch_trees(roles, args, kwargs))
+
+
 def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
   """Checks one call's arguments against the roles and splits its batch."""
-  check_indices(what, roles, args, kwargs)
-  trees = [("arg", n, args[n]) for n in roles.batch_argnums]
-  trees += [("kw", n, kwargs[n]) for n in roles.batch_argnames]
-  sizes = _batch_sizes(what, roles, trees)
+  sizes = batch_leaves(what, roles, args, kwargs)
+  trees = _batch_trees(roles, args, kwargs)
   k = _num_microbatches(what, roles, sizes)
   batch, pos = [], 0
   for kind, where, tree in trees:

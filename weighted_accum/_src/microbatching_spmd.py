@@ -213,24 +213,9 @@ class _Batch(NamedTuple):
 
 
 def _batch_leaves(cfg: Any, args: tuple, kwargs: dict) -> list[_Batch]:
-  roles = cfg.roles
-  margs.check_indices(_WHAT, roles, args, kwargs)
-  trees = [(f"argument {n}", args[n]) for n in roles.batch_argnums]
-  trees += [(f"batch argument {n!r}", kwargs[n]) for n in roles.batch_argnames]
-  out = []
-  for (name, tree), ax in zip(trees, roles.in_axes):
-    for path, x in tree_utils.flat(tree):
-      nd = jnp.ndim(x)
-      a = ax + nd if ax < 0 else ax
-      if not 0 <= a < nd:
-        raise WeightedAccumulationError(
-          f"{_WHAT}: {name} leaf {path} has shape {jnp.shape(x)}, with no "
-          f"batch axis {ax} (in_axes); every batch leaf needs one (pass "
-          "other values as another argument)."
-        )
-      rows = jnp.shape(x)[a]
-      out.append(_Batch(f"{name} leaf {path}", x, a, rows))
-  return out
+  return [
+    _Batch(*leaf) for leaf in margs.batch_leaves(_WHAT, cfg.roles, args, kwargs)
+  ]
 
 
 def _num_microbatches(cfg: Any, batch: list[_Batch]) -> int:
