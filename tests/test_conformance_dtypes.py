@@ -329,3 +329,32 @@ def test_float64_distributed_finish_mean():
     grads, valid = f(_p64(), g, jnp.asarray(WEIGHTS, jnp.float64))
     assert bool(valid) and grads["b"].dtype == jnp.float64
     assert_close(grads, _mean64(range(3)), rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("context", ["eager", "jit"])
+@pytest.mark.parametrize("where", ["configured", "per_call"])
+def test_float64_in_step_loss_scale_is_stored_in_float64(where, context):
+  """A float64 work dtype stores the in-step loss scale as float64 (as
+  wa.init does): 1.1 exactly, and 1e-40 (subnormal in float32) accepted."""
+  with jax.enable_x64(True):
+    w = jnp.asarray([1.0, -2.0], jnp.float64)
+    x = jnp.asarray([[1.0, 2.0], [3.0, -1.0]], jnp.float64)
+
+    def loss(w, x):
+      return jnp.sum((x @ w) ** 2), jnp.float64(x.shape[0])
+
+    for ls in (1.1, 1e-40):
+      kw = dict(loss_scale=ls) if where == "configured" else {}
+      f = wa.microbatched_value_and_grad(
+        loss, 2, mode="sum", dtype=jnp.float64, **kw
+      )
+      call = (
+        (lambda w, x, f=f: f(w, x))
+        if where == "configured"
+        else (lambda w, x, f=f, ls=ls: f(w, x, loss_scale=jnp.float64(ls)))
+      )
+      _, out = (jax.jit(call) if context == "jit" else call)(w, x)
+      assert out.loss_scale.dtype == jnp.float64
+      assert float(out.loss_scale) == ls and bool(out.valid)
+      ref = 2 * x.T @ (x @ w) / 2
+      np.testing.assert_allclose(out.grads, ref, rtol=1e-12)

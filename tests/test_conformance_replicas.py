@@ -274,3 +274,30 @@ def test_window_specs_refuses_what_is_not_a_stacked_window(kind):
   state = hp if kind == "params" else wa.init(hp)
   with pytest.raises(Error, match=r"window_specs\(state\)"):
     dist.window_specs(state, "data")
+
+
+@pytest.mark.parametrize("what", ["finish", "next_loss_scale"])
+def test_wrapper_axis_name_refuses_a_per_replica_decision(what):
+  """A finish flag or next loss scale that differs across replicas would
+  close or rescale the window on some replicas only: refused."""
+  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="sum", axis_name="data")
+  hp = host_params()
+  st = tx.init(hp)
+
+  def step(p, s, x):
+    g = jax.tree.map(lambda v: v * x[0], p)
+    r = jax.lax.axis_index("data")
+    kw = (
+      {"finish": r == 0}
+      if what == "finish"
+      else {"next_loss_scale": 1.0 + r.astype(jnp.float32)}
+    )
+    return tx.update(g, s, p, weight=1.0, **kw)
+
+  f = jax.jit(
+    jax.shard_map(
+      step, mesh=MESH, in_specs=(P(), P(), P("data")), out_specs=(P(), P())
+    )
+  )
+  with pytest.raises(Error, match=rf"{what}=.*varies over"):
+    f(hp, st, jnp.ones(N))

@@ -13,6 +13,7 @@ an op in a loop counted once per trip). What cannot be per-replica-exact
 from __future__ import annotations
 
 import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -261,3 +262,95 @@ def test_microbatch_size_not_splitting_over_replicas_is_refused():
   )
   with pytest.raises(Error, match=r"divisible by"):
     jax.jit(f)(w, batch)
+
+
+def _plain_loss(w, b):
+  return jnp.sum(b["m"] * (b["x"] @ w) ** 2), jnp.sum(b["m"])
+
+
+def _plain_batch(mesh):
+  w, x, y, m = _data()
+  return w, mesh.put({"x": x.T, "y": y, "m": m}, P("data"))
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, math.nan])
+def test_normalizers_are_checked_before_the_shard_map(bad):
+  """Eagerly, a bad normaliser is refused as without data_axes (inside the
+  shard_map it would be traced, and only make the result NaN)."""
+  mesh = MESHES["auto"]()
+  w, batch = _plain_batch(mesh)
+  f = wa.microbatched_value_and_grad(
+    _plain_loss, K, mode="sum", data_axes="data"
+  )
+  with pytest.raises(Error, match=r"normaliser"):
+    f(w, batch, normalizers=jnp.float32(bad))
+
+
+@pytest.mark.parametrize("key", [0, "zeros3"])
+def test_keys_are_checked_before_they_are_folded(key):
+  mesh = MESHES["auto"]()
+  w, batch = _plain_batch(mesh)
+  key = jnp.zeros(3) if key == "zeros3" else key
+  f = wa.microbatched_value_and_grad(
+    lambda w, b, k: _plain_loss(w, b),
+    K,
+    mode="sum",
+    key_argnums=2,
+    data_axes="data",
+  )
+  with pytest.raises(Error, match=r"PRNG key"):
+    f(w, batch, key)
+
+
+@pytest.mark.parametrize("size", [5, 24])
+def test_microbatch_size_is_enforced_as_without_data_axes(size):
+  mesh = MESHES["auto"]()
+  w, batch = _plain_batch(mesh)
+  f = wa.microbatched_value_and_grad(
+    _plain_loss, mode="sum", microbatch_size=size, data_axes="data"
+  )
+  with pytest.raises(Error, match=rf"microbatch_size={size}"):
+    f(w, batch)
+
+
+def test_accumulate_refuses_a_window_stacked_for_another_replica_count():
+  mesh = MESHES["auto"]()
+  w, batch = _plain_batch(mesh)
+  small = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  state = dist.init(jax.device_put(w, NamedSharding(small, P())), "data")
+  f = wa.microbatched_value_and_grad(
+    _plain_loss, K, mode="sum", data_axes="data"
+  )
+  with pytest.raises(Error, match=r"leading replica axis of 8"):
+    f.accumulate(state, w, batch)
+
+
+def test_peek_mean_refuses_a_stacked_window_and_reads_it_per_block():
+  """A stacked window (per-replica sums) read by peek_mean without
+  axis_name is refused (its per-replica means are not the window's); inside
+  shard_map with axis_name, each block gives the global mean."""
+  mesh = MESHES["auto"]()
+  w, x, y, m = _data(5)
+  batch = mesh.put({"x": x.T, "y": y, "m": m}, P("data"))
+  wp = mesh.put(w, P())
+  f = wa.microbatched_value_and_grad(
+    _plain_loss, K, mode="sum", data_axes="data"
+  )
+  state = jax.jit(lambda s, w, b: f.accumulate(s, w, b)[1])(
+    dist.init(wp, "data"), wp, batch
+  )
+  for peek in (wa.peek_mean, jax.jit(wa.peek_mean)):
+    with pytest.raises(Error, match=r"per replica, stacked"):
+      peek(state)
+  sp = dist.window_specs(state, "data")
+  read = jax.jit(
+    jax.shard_map(
+      lambda s: wa.peek_mean(s, axis_name="data").grads,
+      mesh=mesh.mesh,
+      in_specs=(sp,),
+      out_specs=P(),
+    )
+  )
+  xt = np.asarray(x, np.float64)
+  ref = 2 * xt @ (np.asarray(m, np.float64) * (w @ xt)) / m.sum()
+  np.testing.assert_allclose(read(state), ref, rtol=1e-5)

@@ -107,14 +107,20 @@ def test_terms_with_their_own_normalisers_equal_the_objective(mode, known):
   assert int(out.issued) == K
 
 
-def test_a_nan_term_in_the_shared_window_is_flagged_not_applied():
+def test_a_fully_masked_mean_term_with_a_known_normaliser_adds_nothing():
   """mode='mean', both normalisers given, a fully masked microbatch whose
-  mean is 0/0 while its load-balancing term has weight: the shared
-  window's gradient is NaN, reported (finite and valid false)."""
+  mean is 0/0 while its load-balancing term has weight: each known term
+  keeps a window of its own in mean mode, so the 0/0 adds nothing and the
+  result is the one without normalisers (they equal the terms' totals)."""
   p, b = _params(), _batch(empty=2)
   f = jax.jit(wa.microbatched_value_and_grad(terms_mean, K, mode="mean"))
-  _, out = f(p, b, normalizers={"xent": b["mask"].sum(), "lb": K})
-  assert not bool(out.finite) and not bool(out.valid)
+  loss, out = f(p, b, normalizers={"xent": b["mask"].sum(), "lb": float(K)})
+  ref_loss, ref = f(p, b)
+  assert bool(out.finite) and bool(out.valid)
+  assert rel_err(out.grads, ref.grads) < 1e-5
+  np.testing.assert_allclose(
+    float(loss["xent"]), float(ref_loss["xent"]), rtol=1e-5
+  )
 
 
 def test_a_term_normalised_by_the_microbatches_run():

@@ -32,7 +32,13 @@ def _window(state: Any, what: str, stacked_ok: bool = False) -> AccumState:
   state = validation.instance(
     state, AccumState, what=f"{what}(state)", hint=_STATE_HINT
   )
-  if not stacked_ok and replicas.is_stacked(state):
+  return state if stacked_ok else one_window(state, what)
+
+
+def one_window(state: AccumState, what: str) -> AccumState:
+  """``state``, refused if it is a stacked per-replica window (its close
+  needs the reduction over the replicas)."""
+  if replicas.is_stacked(state):
     raise WeightedAccumulationError(
       f"{what}(state): this window is per replica, stacked over "
       f"{jnp.shape(state.weight_hi)[0]} replicas (distributed.init outside "

@@ -206,7 +206,7 @@ def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
   return out
 
 
-def _num_microbatches(what: str, roles: Roles, sizes: list) -> int:
+def num_microbatches(what: str, roles: Roles, sizes: list) -> int:
   b = sizes[0][3] if sizes else 0
   k = roles.num_microbatches
   if roles.microbatch_size is not None:
@@ -257,7 +257,7 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
   """Checks one call's arguments against the roles and splits its batch."""
   sizes = batch_leaves(what, roles, args, kwargs)
   trees = _batch_trees(roles, args, kwargs)
-  k = _num_microbatches(what, roles, sizes)
+  k = num_microbatches(what, roles, sizes)
   batch, pos = [], 0
   for kind, where, tree in trees:
     leaves, treedef = jax.tree.flatten(tree)

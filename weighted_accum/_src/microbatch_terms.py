@@ -4,8 +4,10 @@ the terms are added into, and their close.
 
 A term is normalised by its own total weight over the microbatches, unless
 its normaliser is given before the loop (``normalizers=``): every such term
-is divided by it inside the loop and they share one window, whose buffer is
-then a plain sum (one backward pass, no second buffer). Every other term
+is divided by it inside the loop and, with ``mode="sum"``, they share one
+window, whose buffer is then a plain sum (one backward pass, no second
+buffer); with ``mode="mean"`` each keeps a window of its own (a fully
+masked term's 0/0 mean stays out of the others'). Every other term
 takes a window of its own (one more buffer and backward pass each), closed
 on the one finish path with the others; the gradient is that of the sum of
 the terms' means.
@@ -111,9 +113,15 @@ def evaluate(cfg: Any, args: list, kwargs: dict) -> Eval:
   return Eval(terms, weights, aux, states)
 
 
-def groups(names: list, norms: dict) -> tuple[Group, ...]:
+def groups(names: list, norms: dict, mode: str) -> tuple[Group, ...]:
+  """The windows: one per term of unknown normaliser; the known ones share
+  one window with ``mode="sum"``. With ``mode="mean"`` each known term
+  keeps its own: a fully masked term's mean is 0/0, whose NaN gradient
+  only a window of its own (weight 0 there) keeps out of the sum."""
   known = tuple(t for t in names if t in norms)
   own = tuple(Group((t,), False) for t in names if t not in norms)
+  if mode == "mean":
+    return own + tuple(Group((t,), True) for t in known)
   return own + ((Group(known, True),) if known else ())
 
 

@@ -220,17 +220,20 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
     num_microbatches=num_microbatches,
     **{k: kw.pop(k) for k in _ROLE_KEYS},
   )
+  dt = validation.work_dtype(kw["dtype"], what=f"{_WHAT}(dtype=...)")
   return _Config(
     loss_fn=loss_fn,
     mode=validation.mode(kw["mode"], what=f"{_WHAT}(mode=...)"),
     has_aux=validation.static_flag(kw["has_aux"], what=f"{_WHAT}(has_aux=)"),
     roles=roles,
-    dtype=validation.work_dtype(kw["dtype"], what=f"{_WHAT}(dtype=...)"),
+    dtype=dt,
     grads_dtype=validation.grads_dtype(
       kw["grads_dtype"], what=f"{_WHAT}(grads_dtype=...)"
     ),
     loss_scale=validation.loss_scale(
-      kw["loss_scale"], what=f"{_WHAT}(loss_scale=...)"
+      kw["loss_scale"],
+      what=f"{_WHAT}(loss_scale=...)",
+      dtype=numerics.tally_dtype(dt),
     ),
     axis_name=validation.optional_axis_names(
       kw["axis_name"], what=f"{_WHAT}(axis_name=...)"
@@ -284,6 +287,18 @@ def _with_state(cfg: _Config, result: Any, threaded: tuple) -> Any:
   return result, threaded[0] if cfg.roles.single_state else threaded
 
 
+def call_scale(cfg: _Config, loss_scale: Any) -> Any:
+  """The call's loss scale (``f``'s ``loss_scale=``, else the configured
+  one), validated in the window's scale dtype (float64 stays float64)."""
+  if loss_scale is None:
+    return cfg.loss_scale
+  return validation.loss_scale(
+    loss_scale,
+    what=f"{_WHAT}(...)(loss_scale=)",
+    dtype=numerics.tally_dtype(cfg.dtype),
+  )
+
+
 def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   """``f``: one call's microbatches into fresh windows, closed."""
   p = _prepare(cfg, args, kwargs, n_real)
@@ -291,10 +306,8 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   norms = validation.normalizers(
     normalizers, names, what=f"{_WHAT}(...)(normalizers=...)"
   )
-  groups = terms.groups(names, norms)
-  ls = cfg.loss_scale
-  if loss_scale is not None:
-    ls = validation.loss_scale(loss_scale, what=f"{_WHAT}(...)(loss_scale=)")
+  groups = terms.groups(names, norms, cfg.mode)
+  ls = call_scale(cfg, loss_scale)
   params = margs.as_params(p.call, margs.diff_values(p.call), cfg.roles)
   if cfg.spmd is not None:  # scatter_each: a carry of each FSDP shard
     params = cfg.spmd.buffers(params)
@@ -469,8 +482,10 @@ def microbatched_value_and_grad(
     ``normalizers`` gives loss terms' normalisers known before the loop (a
     number for a single loss, else a dict by term, traced values welcome):
     such a term's sum is divided by it instead of by its total weight, and
-    all such terms share one window (one buffer, one backward pass); every
-    other term of a dict takes a window of its own. ``kwargs`` go to
+    with ``mode="sum"`` all such terms share one window (one buffer, one
+    backward pass; with ``"mean"`` each keeps its own, so a fully masked
+    term's 0/0 mean adds nothing); every other term of a dict takes a window
+    of its own. ``kwargs`` go to
     ``loss_fn``. ``f.accumulate(state, *args, num_real_microbatches=None,
     **kwargs)`` adds the call's microbatches to an open window ``state``
     without finishing and returns ``((loss_sum, weight), state)``
@@ -543,10 +558,11 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
   ):
-    call = (args, kw, num_real_microbatches, loss_scale, normalizers)
     if cfg.data_axes is not None:
+      ls = call_scale(cfg, loss_scale)
+      call = (args, kw, num_real_microbatches, ls, normalizers)
       return spmd.value_and_grad(cfg, _step, call)
-    return _step(cfg, *call)
+    return _step(cfg, args, kw, num_real_microbatches, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
     if cfg.data_axes is not None:

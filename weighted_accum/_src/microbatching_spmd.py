@@ -218,13 +218,6 @@ def _batch_leaves(cfg: Any, args: tuple, kwargs: dict) -> list[_Batch]:
   ]
 
 
-def _num_microbatches(cfg: Any, batch: list[_Batch]) -> int:
-  roles = cfg.roles
-  if roles.microbatch_size is None:
-    return roles.num_microbatches
-  return max((batch[0].rows if batch else 0) // roles.microbatch_size, 1)
-
-
 def _check_batch(cfg, batch: list[_Batch], k: int, n: int, is_explicit: bool):
   """Every batch leaf splits into the replicas' rows, then into K."""
   axes = cfg.data_axes
@@ -272,7 +265,10 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   )
   is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(data_axes=...)")
   n = layout_.size(mesh, axes)
-  k = _num_microbatches(cfg, batch)
+  k = margs.num_microbatches(_WHAT, cfg.roles, batch)
+  for n_key in cfg.roles.key_argnums:  # validated before they are folded
+    for path, key in tree_utils.flat(args[n_key]):
+      validation.random_key(key, what=f"{_WHAT}: argument {n_key} {path}")
   _check_batch(cfg, batch, k, n, is_explicit)
   params = _params(cfg, args)
   specs = _param_specs(cfg, params, is_explicit)
@@ -420,16 +416,19 @@ def aux_per_replica(aux: Any, axes: Axes) -> Any:
 def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
   """``f(*args, **kwargs)`` with ``data_axes``: ``step`` (the ``axis_name``
   path) inside a partial-manual ``shard_map`` over the data axes. ``call``
-  is ``(args, kwargs, num_real, loss_scale, normalizers)``."""
+  is ``(args, kwargs, num_real, loss_scale, normalizers)``, the loss scale
+  already validated."""
   args, kwargs, num_real, scale, normalizers = call
   pl = plan_call(cfg, args, kwargs)
   k = pl.inner.roles.num_microbatches
   n_real = validation.num_real(num_real, k, what=_WHAT)
-  if scale is not None:
-    scale = validation.loss_scale(scale, what=f"{_WHAT}(...)(loss_scale=)")
-  ls = jnp.asarray(cfg.loss_scale if scale is None else scale)
+  ls = jnp.asarray(scale)  # validated by the caller (microbatching)
+  norms = jax.tree.map(  # each checked here: inside, they are traced
+    lambda v: validation.normalizer(v, what=f"{_WHAT}(...)(normalizers=)"),
+    normalizers,
+  )
   axes = pl.lay.axes
-  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs, normalizers), pl)
+  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs, norms), pl)
 
   def body(values, n_real, ls):
     a, kw, norms = _joined(sp, values)
@@ -481,6 +480,7 @@ def accumulate(
       f"weighted_accum.distributed.init(params, {lay.axes!r}) outside "
       "shard_map (a global wa.init window would need a reduction per call)."
     )
+  replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
   n_real = validation.num_real(
     num_real, pl.inner.roles.num_microbatches, what=_WHAT
   )

@@ -604,6 +604,22 @@ def _check_call(cfg: Config, state: Any, weight: Any, next_ls: Any) -> Any:
   )
 
 
+def _check_shared(cfg: Config, **values: Any) -> None:
+  """With ``axis_name``, the window's decisions are shared: a ``finish``
+  or ``next_loss_scale`` that varies over the data axes would close (or
+  rescale) the window on some replicas only, and their states diverge."""
+  axes = set(cfg.axis_name or ())
+  for name, v in values.items():
+    if v is not None and axes & tree_utils.varying_axes(v):
+      raise WeightedAccumulationError(
+        f"WeightedMultiSteps.update({name}=...): it varies over "
+        f"{sorted(axes & tree_utils.varying_axes(v))}; with axis_name every "
+        "replica must take the same value, or the replicas' states diverge. "
+        "Pass it into shard_map with P() (the same on every replica), or "
+        "agree on it first (e.g. jax.lax.psum of the flag > 0)."
+      )
+
+
 def update(
   cfg: Config,
   grads: Any,
@@ -620,6 +636,7 @@ def update(
   finish = validation.traced_flag(
     finish, what="WeightedMultiSteps.update(finish=...)"
   )
+  _check_shared(cfg, finish=finish, next_loss_scale=next_ls)
   accum, skip, skip_state = _accumulate(cfg, state, grads, weight, params)
   mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
   closing = _closes(cfg, finish, mini_step, state.gradient_step)

@@ -20,6 +20,7 @@ from jax.typing import ArrayLike
 
 from weighted_accum._src import finishing
 from weighted_accum._src import multi_steps
+from weighted_accum._src import replicas
 from weighted_accum._src import tree_utils
 from weighted_accum._src import validation
 from weighted_accum._src import window
@@ -59,8 +60,9 @@ def peek_mean(
   What :func:`~weighted_accum.finish_mean` would return now (the sums
   divided by the loss scale, then by the total weight), but the window stays
   open: keep accumulating into ``state`` and close it as usual. For the
-  optax wrapper's state it is the gradient the inner optimizer would get at
-  a close now.
+  optax wrapper's state it is the mean gradient, what the inner optimizer
+  would get at a close now with ``use_grad_mean=True`` (the default; with
+  ``False`` it gets the sum, i.e. this mean times the window's weight).
 
   Args:
     state: an :class:`~weighted_accum.AccumState`, or a
@@ -94,8 +96,12 @@ def peek_mean(
   axes = ()
   if axis_name is not None:
     axes = validation.bound_axes(axis_name, what="peek_mean(axis_name=...)")
-  elif not tree_utils.is_traced(st.weight_hi):
-    finishing.refuse_empty(st, "peek_mean")
+    if replicas.is_stacked(st):  # this replica's block of a stacked window
+      st = replicas.unstack(st, axes, "peek_mean")
+  else:
+    st = finishing.one_window(st, "peek_mean")
+    if not tree_utils.is_traced(st.weight_hi):
+      finishing.refuse_empty(st, "peek_mean")
   return _peek_kernel(st, axes)
 
 

@@ -63,7 +63,7 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
   return AccumState(dtype=state.dtype, **fields)
 
 
-def _check_block(state: AccumState, n: int, what: str) -> None:
+def check_block(state: AccumState, n: int, what: str) -> None:
   for path, x in [("weight_hi", state.weight_hi)] + tree_utils.flat(
     state.grads
   ):
@@ -80,7 +80,7 @@ def _check_block(state: AccumState, n: int, what: str) -> None:
 def unstack(block: AccumState, axes: Axes, what: str) -> AccumState:
   """This replica's per-replica window from its block ``[1, ...]`` of a
   stacked window (inside ``shard_map`` over ``axes``)."""
-  _check_block(block, 1, what)
+  check_block(block, 1, what)
   return block.replace(
     **{k: jax.tree.map(lambda x: x[0], getattr(block, k)) for k in PER_REPLICA}
   )
@@ -164,7 +164,7 @@ def mesh_of(state: AccumState, axes: Axes, what: str) -> Any:
   """The mesh of a stacked window under plain ``jit`` (its types', or the
   context mesh), checked to have the window's replica count."""
   mesh = layout_.find_mesh([state.weight_hi], axes, what=what)
-  _check_block(state, layout_.size(mesh, axes), what)
+  check_block(state, layout_.size(mesh, axes), what)
   return mesh
 
 
