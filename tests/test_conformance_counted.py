@@ -276,3 +276,31 @@ def test_microbatched_rejected_microbatch_is_reported(bad):
   assert not bool(out.valid)
   _, new = _J_MVG_ACC(wa.init(host_params()), host_params(), _mvg_batch(bad))
   assert int(new.rejected) == 1 and new.total_weight == 4.0
+
+
+@pytest.mark.parametrize("size", [None, 2])
+def test_optax_accumulator_folds_examples_through_the_weight_rules(size):
+  """micro_vmap's per-example fold validates each weight as accumulate
+  does: weights 2**24 and 1 are tallied exactly (the gradient is
+  2 / (2**24 + 1), float64 reference), and a subnormal weight, which the
+  float32 tally would flush to 0, makes the result NaN (refused), not
+  silently dropped."""
+  vg = jax.value_and_grad(
+    lambda w, x, m: (jnp.sum(m * (x * w) ** 2), jnp.sum(m)), has_aux=True
+  )
+  f = jax.jit(
+    microbatching.micro_vmap(
+      vg,
+      in_axes=(None, 0, 0),
+      microbatch_size=size,
+      accumulator=wa.optax_accumulator("sum"),
+    )
+  )
+  x = jnp.arange(4.0)
+  (_, weight), g = f(1.0, x, jnp.asarray([2.0**24, 1.0, 0.0, 0.0]))
+  assert float(weight) == float(np.float32(2.0**24 + 1))
+  np.testing.assert_allclose(float(g), 2.0 / (2.0**24 + 1), rtol=1e-6)
+  (loss, weight), g = f(1.0, x, jnp.asarray([1e-45, 1.0, 1.0, 1.0]))
+  assert (
+    np.isnan(float(g)) and np.isnan(float(weight)) and np.isnan(float(loss))
+  )

@@ -41,30 +41,6 @@ def _unpack_value(value: Any) -> tuple[Any, Any, Any]:
   return loss, weight, grads
 
 
-def _fold(values: Any, mean: bool) -> _Folded:
-  """Per-example values (leading axis) folded into their exact weighted
-  mean, over the examples of valid positive weight (a select: a padded
-  example's NaN stays out). An invalid weight makes the total NaN (the
-  folded value is then refused by ``update`` and by the caller's checks)."""
-  loss, weight, grads = _unpack_value(values)
-  w = jnp.asarray(weight, _F32)
-  valid = jnp.isfinite(w) & (w >= 0)
-  take = valid & (w > 0)
-  total = jnp.sum(jnp.where(take, w, 0.0))
-  inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-  # An invalid weight: every output NaN (refused, not dropped).
-  total = jnp.where(jnp.all(valid), total, jnp.nan)
-  inv = jnp.where(jnp.all(valid), inv, jnp.nan)
-
-  def wmean(x):
-    x = jnp.asarray(x)
-    t = jnp.reshape(take, take.shape + (1,) * (x.ndim - 1))
-    xw = x.astype(_F32) * jnp.reshape(w, t.shape) if mean else x.astype(_F32)
-    return (jnp.sum(jnp.where(t, xw, 0.0), 0) * inv).astype(x.dtype)
-
-  return _Folded((wmean(loss), total), jax.tree.map(wmean, grads))
-
-
 def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
   """An exact weighted ``optax.microbatching.Accumulator``.
 
@@ -130,7 +106,10 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
     loss, weight, grads = _unpack_value(value)
     as_mean = mean or folded
     new = accumulation.add(st, grads, weight, mean=as_mean, name=what)
-    w = jnp.asarray(weight, _F32)
+    wt = validation.weight(
+      weight, what=f"{what}: the weight", tally=st.weight_hi.dtype
+    )
+    w = (jnp.asarray(wt.hi) + jnp.asarray(wt.lo)).astype(_F32)
     part = jnp.asarray(loss, _F32) * (w if as_mean else 1.0)
     took = (new.rejected == st.rejected) & (w > 0)
     return new, loss_sum + jnp.where(took, part, 0.0)
@@ -144,9 +123,25 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
     grads = jax.tree.map(nan, out.grads)
     return (nan(loss), nan(out.weight)), grads
 
+  def aggregate(values):
+    """Per-example values (leading axis) folded on the same paths: each
+    example added by ``update`` (its weight validated, the exact tally),
+    one finish; what ``micro_vmap`` returns without ``microbatch_size``."""
+    _unpack_value(values)
+    n = jax.tree.leaves(values)[0].shape[0]
+    one = lambda i: jax.tree.map(lambda x: x[i], values)
+
+    def body(i, carry):
+      return update(carry, one(i), None)
+
+    (loss, weight), grads = finalize(
+      jax.lax.fori_loop(0, n, body, init(one(0)))
+    )
+    return _Folded((loss, weight), grads)
+
   return microbatching.Accumulator(
     init=init,
     update=update,
     finalize=finalize,
-    aggregate=lambda values: _fold(values, mean),
+    aggregate=aggregate,
   )
