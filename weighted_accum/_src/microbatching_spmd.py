@@ -54,12 +54,13 @@ def _param_specs(cfg: Any, params: Any, is_explicit: bool) -> list[Any]:
   if cfg.param_specs is None:
     return [None] * len(leaves)
   try:
-    return treedef.flatten_up_to(cfg.param_specs)
+    specs = treedef.flatten_up_to(cfg.param_specs)
   except (ValueError, TypeError) as e:
     raise WeightedAccumulationError(
       f"{_WHAT}(param_specs=...): the specs do not match the params' tree "
       f"{treedef}: {e}. Pass one PartitionSpec (or None) per param leaf."
     ) from None
+  return [P() if spec is None else spec for spec in specs]  # None: replicated
 
 
 class Layout(NamedTuple):
