@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from weighted_accum._src import microbatch_args as margs
 from weighted_accum._src import numerics
+from weighted_accum._src import validation
 from weighted_accum._src import window
 from weighted_accum._src.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
@@ -137,9 +138,12 @@ def presence(ev: Eval, terms: tuple) -> jax.Array:
   """A known-normaliser window's weight: 1 for a microbatch where a term has
   weight, 0 for one where none has (it adds nothing, even NaN), NaN when a
   weight is invalid (the microbatch is rejected, as a bad weight is)."""
-  w = [ev.weights[t].astype(_F32) for t in terms]
-  bad = jnp.any(jnp.stack([~(jnp.isfinite(x) & (x >= 0)) for x in w]))
-  present = jnp.any(jnp.stack([x > 0 for x in w]))
+  ws = [
+    validation.weight(ev.weights[t], what=f"{_WHAT}(loss_fn) weight of {t!r}")
+    for t in terms
+  ]
+  bad = jnp.any(jnp.stack([~jnp.asarray(w.ok) for w in ws]))
+  present = jnp.any(jnp.stack([jnp.asarray(w.ok) & (w.hi > 0) for w in ws]))
   return jnp.where(bad, jnp.nan, jnp.where(present, 1.0, 0.0))
 
 
