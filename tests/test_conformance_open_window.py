@@ -43,8 +43,10 @@ CONTEXTS = ["eager", "jit"]
 _PEEK = jax.jit(wa.peek_mean)
 
 
-# A clean window, and a NaN/Inf on the first and on the last device.
-PEEK_CASES = [c for c in BAD_CASES if c[0] != "nan_last_device"]
+# A clean window, and an Inf on the last device (where a cross-device max
+# would drop it). peek_mean reads through window.finish, whose NaN cases on
+# either device test_conformance_finite runs.
+PEEK_CASES = [c for c in BAD_CASES if c[0] in ("finite", "neg_inf_last_device")]
 
 
 @pytest.mark.parametrize("case", PEEK_CASES, ids=[c[0] for c in PEEK_CASES])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,7 @@ def test_keyword_batch_only_needs_no_batch_argnums():
   st.sampled_from(["strided", "contiguous"]),
   st.integers(0, 99),
 )
+@settings(max_examples=10)  # eager: each example builds and runs a new f
 def test_any_batch_axis_and_split_equals_the_full_batch(ax, ay, k, split, seed):
   """The inputs' batch axis at ``ax`` (x, 3-D) and ``ay`` (targets and
   mask, 2-D; negative: from the end), any split: the full batch's result."""

@@ -266,11 +266,13 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   )
   is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(data_axes=...)")
   n = layout_.size(mesh, axes)
+  if cfg.roles.num_microbatches is not None:  # the replicas' rule first
+    _check_batch(cfg, batch, cfg.roles.num_microbatches, n, is_explicit)
   k = margs.num_microbatches(_WHAT, cfg.roles, batch)
+  _check_batch(cfg, batch, k, n, is_explicit)
   for n_key in cfg.roles.key_argnums:  # validated before they are folded
     for path, key in tree_utils.flat(args[n_key]):
       validation.random_key(key, what=f"{_WHAT}: argument {n_key} {path}")
-  _check_batch(cfg, batch, k, n, is_explicit)
   params = _params(cfg, args)
   specs = _param_specs(cfg, params, is_explicit)
   leaves = tuple(
