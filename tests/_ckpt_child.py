@@ -1,4 +1,4 @@
-"""Child process for tests/test_checkpoint.py (not a test module itself).
+"""Child process for tests/checkpointing/test_checkpoint.py (not a test module itself).
 
 Also the shared problem definition: deterministic microbatch gradients and
 weights, so that the test process and a fresh child process feed exactly the

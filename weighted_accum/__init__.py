@@ -11,69 +11,87 @@ from importlib import metadata as _metadata
 from weighted_accum import checkpoint
 from weighted_accum import distributed
 
-# The functional API: open, fill and close a window.
-from weighted_accum._src.accumulation import accumulate_mean as accumulate_mean
-from weighted_accum._src.accumulation import accumulate_sum as accumulate_sum
-from weighted_accum._src.accumulation import from_buffers as from_buffers
-from weighted_accum._src.accumulation import init as init
-
-# Mixed precision.
-from weighted_accum._src.accumulation import set_loss_scale as set_loss_scale
-
-# The state and the error.
-from weighted_accum._src.base import AccumState as AccumState
-from weighted_accum._src.base import (
-  AccumulatedGradients as AccumulatedGradients,
-)
-
-# Checkpoints (more in weighted_accum.checkpoint).
-from weighted_accum._src.checkpoint import AccumRestore as AccumRestore
-from weighted_accum._src.checkpoint import AccumSave as AccumSave
-from weighted_accum._src.checkpoint import abstract_state as abstract_state
-from weighted_accum._src.distributed import reduce_sums as reduce_sums
-from weighted_accum._src.errors import (
-  WeightedAccumulationError as WeightedAccumulationError,
-)
-from weighted_accum._src.finishing import apply_window as apply_window
-from weighted_accum._src.finishing import finish_mean as finish_mean
-from weighted_accum._src.finishing import finish_sums as finish_sums
-
-# Data parallelism (more in weighted_accum.distributed).
-from weighted_accum._src.local_grads import local_grad as local_grad
-from weighted_accum._src.local_grads import (
-  local_value_and_grad as local_value_and_grad,
-)
-from weighted_accum._src.loss_scale import DynamicLossScale as DynamicLossScale
-
-# Inside one jitted step: a loop over the microbatches of a global batch.
-from weighted_accum._src.microbatching import (
-  microbatched_value_and_grad as microbatched_value_and_grad,
-)
-
 # Across jitted steps: the optax wrapper and flax's TrainState.
-from weighted_accum._src.multi_steps import (
+from weighted_accum._src.across_steps.multi_steps import (
   WeightedMultiSteps as WeightedMultiSteps,
 )
-from weighted_accum._src.multi_steps import has_updated as has_updated
-from weighted_accum._src.multi_steps import (
+from weighted_accum._src.across_steps.multi_steps import (
+  has_updated as has_updated,
+)
+from weighted_accum._src.across_steps.multi_steps import (
   weighted_multi_steps as weighted_multi_steps,
 )
-from weighted_accum._src.multi_steps import window_counters as window_counters
-from weighted_accum._src.multi_steps_step import (
+from weighted_accum._src.across_steps.multi_steps import (
+  window_counters as window_counters,
+)
+from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState as WeightedMultiStepsState,
 )
 
-# The functional API: read the open window's mean, or drop the window.
-from weighted_accum._src.open_window import discard as discard
-from weighted_accum._src.open_window import peek_mean as peek_mean
-
-# In-step microbatching through optax.microbatching.
-from weighted_accum._src.optax_microbatching import (
-  optax_accumulator as optax_accumulator,
+# Across jitted steps: flax's TrainState with a weight.
+from weighted_accum._src.across_steps.train_state import (
+  TrainState as TrainState,
 )
 
-# Across jitted steps: flax's TrainState with a weight.
-from weighted_accum._src.train_state import TrainState as TrainState
+# Checkpoints (more in weighted_accum.checkpoint).
+from weighted_accum._src.checkpointing.checkpoint import (
+  AccumRestore as AccumRestore,
+)
+from weighted_accum._src.checkpointing.checkpoint import AccumSave as AccumSave
+from weighted_accum._src.checkpointing.checkpoint import (
+  abstract_state as abstract_state,
+)
+
+# The functional API: open, fill and close a window.
+from weighted_accum._src.core.accumulation import (
+  accumulate_mean as accumulate_mean,
+)
+from weighted_accum._src.core.accumulation import (
+  accumulate_sum as accumulate_sum,
+)
+from weighted_accum._src.core.accumulation import from_buffers as from_buffers
+from weighted_accum._src.core.accumulation import init as init
+
+# Mixed precision.
+from weighted_accum._src.core.accumulation import (
+  set_loss_scale as set_loss_scale,
+)
+
+# The state and the error.
+from weighted_accum._src.core.base import AccumState as AccumState
+from weighted_accum._src.core.base import (
+  AccumulatedGradients as AccumulatedGradients,
+)
+from weighted_accum._src.core.finishing import apply_window as apply_window
+from weighted_accum._src.core.finishing import finish_mean as finish_mean
+from weighted_accum._src.core.finishing import finish_sums as finish_sums
+from weighted_accum._src.core.loss_scale import (
+  DynamicLossScale as DynamicLossScale,
+)
+
+# The functional API: read the open window's mean, or drop the window.
+from weighted_accum._src.core.open_window import discard as discard
+from weighted_accum._src.core.open_window import peek_mean as peek_mean
+from weighted_accum._src.errors import (
+  WeightedAccumulationError as WeightedAccumulationError,
+)
+
+# Inside one jitted step: a loop over the microbatches of a global batch.
+from weighted_accum._src.in_step.microbatching import (
+  microbatched_value_and_grad as microbatched_value_and_grad,
+)
+
+# In-step microbatching through optax.microbatching.
+from weighted_accum._src.in_step.optax_microbatching import (
+  optax_accumulator as optax_accumulator,
+)
+from weighted_accum._src.parallel.distributed import reduce_sums as reduce_sums
+
+# Data parallelism (more in weighted_accum.distributed).
+from weighted_accum._src.parallel.local_grads import local_grad as local_grad
+from weighted_accum._src.parallel.local_grads import (
+  local_value_and_grad as local_value_and_grad,
+)
 
 # The one version string is pyproject.toml's; installed metadata carries it.
 try:

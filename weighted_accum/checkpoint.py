@@ -4,13 +4,19 @@ their ``AccumCheckpointHandler`` and ``abstract_state``.
 Usage, what is written and what restoring validates: ``docs/checkpointing.md``.
 """
 
-from weighted_accum._src.checkpoint import FORMAT_VERSION as FORMAT_VERSION
-from weighted_accum._src.checkpoint import (
+from weighted_accum._src.checkpointing.checkpoint import (
+  FORMAT_VERSION as FORMAT_VERSION,
+)
+from weighted_accum._src.checkpointing.checkpoint import (
   AccumCheckpointHandler as AccumCheckpointHandler,
 )
-from weighted_accum._src.checkpoint import AccumRestore as AccumRestore
-from weighted_accum._src.checkpoint import AccumSave as AccumSave
-from weighted_accum._src.checkpoint import abstract_state as abstract_state
+from weighted_accum._src.checkpointing.checkpoint import (
+  AccumRestore as AccumRestore,
+)
+from weighted_accum._src.checkpointing.checkpoint import AccumSave as AccumSave
+from weighted_accum._src.checkpointing.checkpoint import (
+  abstract_state as abstract_state,
+)
 
 __all__ = [
   "FORMAT_VERSION",

@@ -1,8 +1,9 @@
 """The implementation of ``weighted_accum``; import from the top-level package.
 
-One module per concept (see ``docs/design.md``, "Layout"): ``errors`` (the
-exception), ``numerics`` (tally, compute dtypes, the finiteness reduction),
-``base`` (the state types and the counter table), ``tree_utils`` (leaf paths,
-tree matching, placement), ``validation`` (every input check), then the
-features built on them.
+Layered subpackages (see ``docs/design.md``, "Layout"): ``errors`` (the
+exception) and ``validation`` (every check of a caller's value) at the base;
+``core`` (the window: state, accumulate, the one close path); then the
+features built on it: ``parallel`` (windows over mesh axes),
+``across_steps`` (the optax wrapper), ``in_step`` (a loop over microbatches
+inside one step) and ``checkpointing`` (Orbax).
 """

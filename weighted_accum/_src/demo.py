@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from weighted_accum._src import accumulation
-from weighted_accum._src import finishing
+from weighted_accum._src.core import accumulation
+from weighted_accum._src.core import finishing
 
 VOCAB, DIM, MAX_LEN, ROWS, MICROBATCHES = 48, 16, 48, 64, 8
 

@@ -1,7 +1,7 @@
 """The library's one exception, ``WeightedAccumulationError``.
 
 Every input check that raises it lives in :mod:`weighted_accum._src.validation`
-(or, for tree structure, :mod:`weighted_accum._src.tree_utils`); the error
+(or, for tree structure, :mod:`weighted_accum._src.core.tree_utils`); the error
 model is in ``docs/inputs.md``.
 """
 

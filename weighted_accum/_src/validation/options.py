@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum._src.core.tree_utils import is_traced
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.tree_utils import is_traced
 from weighted_accum._src.validation.values import INT32_MAX
 from weighted_accum._src.validation.values import MODES
 from weighted_accum._src.validation.values import host_number

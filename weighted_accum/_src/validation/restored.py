@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from weighted_accum._src.core.tree_utils import is_traced
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.tree_utils import is_traced
 from weighted_accum._src.validation.options import count
 from weighted_accum._src.validation.values import host_number
 from weighted_accum._src.validation.values import loss_scale

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum._src.core.tree_utils import is_traced
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.tree_utils import is_traced
 from weighted_accum._src.validation.values import SCALE_NOUN
 from weighted_accum._src.validation.values import ScaleSource
 from weighted_accum._src.validation.values import host_number

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from weighted_accum._src import numerics
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core.tree_utils import is_traced
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.tree_utils import is_traced
 
 #: Largest count a counter (int32) holds.
 INT32_MAX = 2**31 - 1

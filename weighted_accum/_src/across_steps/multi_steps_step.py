@@ -1,0 +1,653 @@
+"""The optax wrapper's state and step: ``WeightedMultiStepsState``, its
+configuration, ``init`` and the per-microbatch ``update``.
+
+One microbatch: validate, accumulate (optionally skipped by
+``should_skip_update_fn``), then one ``lax.cond``: close the window on the one
+close path (``window.close``) or keep it open. How a step is laid out in
+memory, and why (the updates travel in the window's buffers; selects after
+one conditional), is in ``docs/design.md`` ("The optax wrapper").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import functools
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import accumulation
+from weighted_accum._src.core import base
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core import window
+from weighted_accum._src.core.base import AccumState
+from weighted_accum._src.core.loss_scale import DynamicLossScale
+from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.parallel import distributed
+
+
+class WeightedMultiStepsState(NamedTuple):
+  """State of :class:`~weighted_accum.WeightedMultiSteps`:
+  ``optax.MultiStepsState``'s fields, then this library's.
+
+  Attributes:
+    mini_step: int32, microbatches accumulated since the window opened (0
+      right after a close; a microbatch skipped by ``should_skip_update_fn``
+      does not count).
+    gradient_step: int32, windows applied to the inner optimizer since
+      ``init`` (the argument of a callable ``every_k_schedule``).
+    inner_opt_state: the wrapped optimizer's state; changes only when a
+      window's gradient is applied.
+    acc_grads: the open window's pending gradient sums, a tree like the
+      params in the accumulator dtype. Unlike ``optax.MultiSteps``' running
+      mean these are weighted SUMS, still multiplied by the loss scale; the
+      window's gradient is ``acc_grads / loss_scale / total_weight``.
+    skip_state: what ``should_skip_update_fn`` returned last (``()``
+      without one), as in optax.
+    window: the open window's counters, an
+      :class:`~weighted_accum.AccumState` without buffers (``grads`` is
+      ``None``). :attr:`accum` joins it with ``acc_grads``.
+    updated: bool, the last call closed a window and applied the inner
+      update (see :func:`~weighted_accum.has_updated`).
+    nonfinite: bool, the last call closed a window that was discarded: its
+      pending gradients held NaN/Inf (or, with
+      ``skip_nonfinite_updates=True``, its inner updates did), or its loss
+      scale was unusable. Nothing was applied and the next window starts
+      clean.
+    nonfinite_windows: int32, windows discarded so since ``init``.
+    empty_windows: int32, closes of a window with zero total weight since
+      ``init``. Such a window applies nothing and is not lost: its counters
+      carry into the next window.
+    skipped: int32, microbatches skipped by ``should_skip_update_fn`` since
+      ``init``.
+    rejected: int32, microbatches refused under ``jit`` for an invalid
+      weight since ``init`` (never reset by a close; the open window's own
+      count is ``window.rejected``).
+    loss_scaler: the :class:`~weighted_accum.DynamicLossScale` adjusted at
+      each close, or ``None`` for a fixed loss scale.
+  """
+
+  mini_step: jax.Array
+  gradient_step: jax.Array
+  inner_opt_state: Any
+  acc_grads: Any
+  skip_state: Any
+  window: AccumState
+  updated: jax.Array
+  nonfinite: jax.Array
+  nonfinite_windows: jax.Array
+  empty_windows: jax.Array
+  skipped: jax.Array
+  rejected: jax.Array
+  loss_scaler: DynamicLossScale | None
+
+  @property
+  def accum(self) -> AccumState:
+    """The open window as one :class:`~weighted_accum.AccumState`."""
+    return self.window.replace(grads=self.acc_grads)
+
+  @property
+  def inner_state(self) -> Any:
+    """Alias of :attr:`inner_opt_state`."""
+    return self.inner_opt_state
+
+
+class Config(NamedTuple):
+  """The validated static choices of one wrapper."""
+
+  inner: optax.GradientTransformationExtraArgs
+  every_k: int | Callable[..., Any] | None
+  use_grad_mean: bool
+  should_skip: Callable[..., Any] | None
+  dtype: np.dtype
+  mode: str
+  loss_scale: Any  # a stored scalar, or a DynamicLossScale
+  axis_name: tuple[str, ...] | None
+  skip_nonfinite_updates: bool
+
+
+def configure(who: str, **kw: Any) -> Config:
+  """Validates the constructor's arguments (optax's names), naming each."""
+  validation.transformation(kw["opt"], what=f"{who}(opt)")
+  dt = validation.work_dtype(
+    kw["accumulator_dtype"], what=f"{who}(accumulator_dtype=...)"
+  )
+  ls = kw["loss_scale"]
+  if not isinstance(ls, DynamicLossScale):
+    ls = validation.loss_scale(
+      ls, what=f"{who}(loss_scale=...)", dtype=numerics.tally_dtype(dt)
+    )
+  return Config(
+    inner=optax.with_extra_args_support(kw["opt"]),
+    every_k=validation.every_k(
+      kw["every_k_schedule"], what=f"{who}(every_k_schedule=...)"
+    ),
+    use_grad_mean=validation.static_flag(
+      kw["use_grad_mean"], what=f"{who}(use_grad_mean=...)"
+    ),
+    should_skip=validation.callable_or_none(
+      kw["should_skip_update_fn"],
+      what=f"{who}(should_skip_update_fn=...)",
+      hint="Pass a function (updates, gradient_step, params) -> "
+      "(should_skip, skip_state), e.g. optax.skip_not_finite, or None.",
+    ),
+    dtype=dt,
+    mode=validation.mode(kw["mode"], what=f"{who}(mode=...)"),
+    loss_scale=ls,
+    axis_name=validation.optional_axis_names(
+      kw["axis_name"], what=f"{who}(axis_name=...)"
+    ),
+    skip_nonfinite_updates=validation.static_flag(
+      kw["skip_nonfinite_updates"], what=f"{who}(skip_nonfinite_updates=...)"
+    ),
+  )
+
+
+# ------------------------------------------------------------------- init --
+
+
+def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
+  """An empty window and the inner optimizer's initial state."""
+  scaler = (
+    cfg.loss_scale if isinstance(cfg.loss_scale, DynamicLossScale) else None
+  )
+  if scaler is not None:
+    # Fresh host-born arrays: a donated state must not hold one buffer twice,
+    # and a scale committed to another device must not meet the params
+    # (commit_like below places them as the params).
+    scaler = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), scaler)
+  scale = cfg.loss_scale if scaler is None else jnp.array(scaler.scale)
+  accum = accumulation.init(params, dtype=cfg.dtype, loss_scale=scale)
+  # A distinct array per field: a donated state must not hold one buffer
+  # twice.
+  count = lambda: jnp.zeros((), jnp.int32)
+  skip_state = ()
+  if cfg.should_skip is not None:
+    _, skip_state = cfg.should_skip(
+      optax.tree.zeros_like(params), count(), params
+    )
+  # Scalars committed like the params (the inner state's too), as a jitted
+  # step returns them: else its second call compiles again.
+  return tree_utils.commit_like(
+    WeightedMultiStepsState(
+      mini_step=count(),
+      gradient_step=count(),
+      inner_opt_state=cfg.inner.init(params),
+      acc_grads=accum.grads,
+      skip_state=skip_state,
+      window=accum.replace(grads=None),
+      updated=jnp.zeros((), jnp.bool_),
+      nonfinite=jnp.zeros((), jnp.bool_),
+      nonfinite_windows=count(),
+      empty_windows=count(),
+      skipped=count(),
+      rejected=count(),
+      loss_scaler=scaler,
+    ),
+    params,
+  )
+
+
+# ------------------------------------------------------------- accumulate --
+
+
+def _skip_verdict(cfg: Config, grads: Any, state, params) -> tuple[Any, Any]:
+  """``should_skip_update_fn``'s verdict on the microbatch's (global)
+  gradient, optax's way."""
+  if cfg.should_skip is None:
+    return None, state.skip_state
+  skip, skip_state = cfg.should_skip(grads, state.gradient_step, params)
+  if (jnp.result_type(skip), np.shape(skip)) != (jnp.bool_, ()):
+    raise WeightedAccumulationError(
+      "WeightedMultiSteps(should_skip_update_fn=...): it returned "
+      f"{jnp.result_type(skip)} of shape {np.shape(skip)} as should_skip; "
+      "it must return a bool scalar (and the skip state)."
+    )
+  return jnp.asarray(skip), skip_state
+
+
+def _global_grads(contrib: Any, weight: jax.Array, mean: bool) -> Any:
+  """The microbatch's gradient over all replicas, as ``should_skip`` sees
+  it: the weighted mean of mean-loss grads, the sum of sum-loss grads."""
+  if not mean:
+    return contrib
+  inv = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
+  return jax.tree.map(lambda c: (c * inv).astype(c.dtype), contrib)
+
+
+def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
+  """Validates and adds one microbatch, summed over ``cfg.axis_name`` when
+  given. A skipped microbatch adds weight 0 (a select: NaN grads stay out)
+  and leaves the window's counters as they were. Returns ``(accum, skip,
+  skip_state)``."""
+  accum = state.accum
+  mean = cfg.mode == "mean"
+  name = "WeightedMultiSteps.update"
+  w = accumulation.convert_weight(accum, weight, name)
+  if cfg.axis_name is None:
+    skip, skip_state = _skip_verdict(cfg, grads, state, params)
+  else:
+    axes = validation.bound_axes(cfg.axis_name, what=f"{name}(axis_name)")
+    grads, total = distributed.reduce_microbatch(
+      accum, grads, w, axes, mean=mean, what=name
+    )
+    w = accumulation.convert_weight(accum, total, name)
+    skip, skip_state = _skip_verdict(
+      cfg, _global_grads(grads, total.hi + total.lo, mean), state, params
+    )
+    mean = False  # the global contribution is a sum already
+  if skip is not None:
+    w = validation.Weight(
+      jnp.where(skip, 0, w.hi), jnp.where(skip, 0, w.lo), w.ok | skip
+    )
+  new = accumulation.add(
+    accum,
+    grads,
+    w,
+    mean=mean,
+    name=name,
+    allow_reduced=cfg.axis_name is not None,
+  )
+  if skip is not None:
+    old = base.of(accum)
+    new = new.replace(
+      **{k: jnp.where(skip, old[k], v) for k, v in base.of(new).items()}
+    )
+  return new, skip, skip_state
+
+
+# ------------------------------------------------------------ the inner --
+
+
+class _Inner(NamedTuple):
+  """The inner update as the window sees it (static for one trace).
+
+  Attributes:
+    update: ``(g, inner_state, params) -> (updates, inner_state)``.
+    shapes: the updates' shapes and dtypes, as ``optax.MultiSteps`` returns
+      them for these grads and params; ``None`` until the close branch has
+      traced the update (then read from ``seen``).
+    carry: whether the updates travel in the window's buffers (assumed
+      while ``shapes`` is unknown, checked once it is).
+    seen: what the close branch's trace of ``update`` returned.
+  """
+
+  update: Callable[..., Any]
+  shapes: Any
+  carry: bool
+  seen: list
+
+
+def _inner_update(cfg, dtypes, extra_args, g, inner_state, params):
+  """The inner update of the window gradient ``g`` cast leaf by leaf to
+  ``dtypes``."""
+  leaves, treedef = jax.tree.flatten(g)
+  g = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(leaves, dtypes)])
+  return cfg.inner.update(g, inner_state, params, **extra_args)
+
+
+def _traced(*trees: Any) -> bool:
+  return any(tree_utils.is_traced(x) for x in jax.tree.leaves(trees))
+
+
+def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
+  """How the window reaches the inner optimizer, in which dtypes.
+
+  ``optax.MultiSteps`` hands the inner optimizer the grads' dtype, and its
+  updates' dtypes are the contract. The window's gradient goes in at least
+  that wide and at least as wide as the params (float16 params with float32
+  grads get float32, never a float16 mean that overflows); the updates come
+  back in MultiSteps' dtypes and the inner state in its own.
+
+  The updates' shapes come from the close branch's own trace of the inner
+  update when the grads are as wide as the params (the usual case): a
+  separate ``jax.eval_shape`` would trace the whole inner optimizer a
+  second time, a quarter of the step's tracing. Only a widened gradient
+  (whose updates MultiSteps would return narrower) or an eager call (where
+  a conditional runs at once) is traced ahead.
+  """
+  ms_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
+  dtypes = ms_dtypes
+  if params is not None:
+    p_leaves = tree_utils.match_tree(
+      state.acc_grads, params, what="WeightedMultiSteps.update(params)"
+    )
+    dtypes = [
+      jnp.promote_types(d, jnp.result_type(p))
+      for d, p in zip(ms_dtypes, p_leaves)
+    ]
+  wide = functools.partial(_inner_update, cfg, dtypes, extra_args)
+  shapes = None
+  if dtypes != ms_dtypes or not _traced(grads, state.acc_grads):
+    ms_update = functools.partial(_inner_update, cfg, ms_dtypes, extra_args)
+    shapes = jax.eval_shape(
+      ms_update, state.acc_grads, state.inner_opt_state, params
+    )[0]
+
+  def update(g, inner_state, params):
+    upd, new_inner = wide(g, inner_state, params)
+    if shapes is not None:
+      upd = tree_utils.cast_like(upd, shapes)
+    return upd, tree_utils.cast_like(new_inner, inner_state)
+
+  carry = shapes is None or _can_carry(shapes, state.acc_grads)
+  return _Inner(update, shapes, carry, [])
+
+
+def _can_carry(shapes: Any, buffers: Any) -> bool:
+  """Whether the updates fit in the window's buffers exactly: same tree and
+  shapes, and a dtype the work dtype holds losslessly."""
+  buf_leaves, buf_def = jax.tree.flatten(buffers)
+  upd_leaves, upd_def = jax.tree.flatten(shapes)
+  return upd_def == buf_def and all(
+    u.shape == b.shape
+    and jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
+    for u, b in zip(upd_leaves, buf_leaves)
+  )
+
+
+def _zero_updates(shapes: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+# ------------------------------------------------------------- the close --
+
+
+class _Closed(NamedTuple):
+  """What :func:`_close` returns.
+
+  Attributes:
+    carrier: the applied window's updates written over its buffers (when
+      the updates carry), else the updates themselves; mid-window and for a
+      skipped window: the buffers (carry) or zero updates.
+    inner_state: the inner optimizer's state, advanced only if ``applied``.
+    counters: the next window's counters (an ``AccumState`` without grads).
+    applied: the inner update was applied.
+    nonfinite: the window was discarded (see the state's ``nonfinite``).
+    consumed: the window is over (its buffers are zeroed for the next one).
+    empty: a close of a window with zero total weight (kept open).
+    scaler: the dynamic loss scale after this call (``None`` without one).
+  """
+
+  carrier: Any
+  inner_state: Any
+  counters: AccumState
+  applied: jax.Array
+  nonfinite: jax.Array
+  consumed: jax.Array
+  empty: jax.Array
+  scaler: DynamicLossScale | None
+
+
+def _apply(cfg: Config, inner: _Inner, buffers: Any, g: Any, operands: Any):
+  """The window's gradient ``g`` (divided by ``window.close`` inside this
+  branch, so XLA fuses the division into the inner update's loops) through
+  the inner optimizer: its updates (over the buffers when they carry them),
+  the inner state and whether the updates are applied."""
+  inner_state, params = operands
+  upd, new_inner = inner.update(g, inner_state, params)
+  inner.seen.append(
+    jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape, u.dtype), upd)
+  )
+  if inner.carry:
+    if inner.shapes is None and not _can_carry(upd, buffers):
+      # A placeholder: the caller traces the close again without carrying.
+      return buffers, new_inner, jnp.bool_(True)
+    upd = jax.tree.map(lambda u, b: u.astype(b.dtype), upd, buffers)
+  if not cfg.skip_nonfinite_updates:
+    return upd, new_inner, jnp.bool_(True)
+  # The updates' finiteness, decided on every shard alike. The inner state
+  # has taken that step (keeping its previous value would copy it).
+  (mark,) = window.global_marks((numerics.tree_mark(upd),))
+  return upd, new_inner, ~jnp.isnan(mark)
+
+
+def _skip(inner: _Inner, sums: Any, operands: Any):
+  inner_state, _ = operands
+  carrier = sums if inner.carry else _zero_updates(inner.shapes)
+  return carrier, inner_state, jnp.bool_(False)
+
+
+def _scale_rule(scaler: DynamicLossScale | None, next_ls: Any, adjusted: list):
+  """The next window's loss scale as a function of the closing window's
+  result: GradScaler's rule once per consumed window (an empty one stays
+  open and is not a step), else ``next_ls``."""
+
+  def rule(out):
+    if scaler is None:
+      return next_ls
+    new = scaler.adjust(out.finite)
+    new = jax.tree.map(
+      lambda a, b: jnp.where(out.weight > 0, a, b), new, scaler
+    )
+    adjusted.append(new)
+    return new.scale
+
+  return rule
+
+
+def _close(cfg, inner, next_ls, closing, accum, inner_state, params, scaler):
+  """Closes the window where ``closing`` on the one close path, in one
+  conditional (``window.close(when=closing)``): the inner update runs only
+  for a closing valid window; mid-window and for an invalid window the
+  buffers and the inner state pass through untouched (no write, no copy).
+  The counters' selects are scalars."""
+  adjusted: list = []
+  (upd, new_inner, applied), zero, new, out = window.close(
+    accum,
+    (inner_state, params),
+    functools.partial(_apply, cfg, inner, accum.grads),
+    functools.partial(_skip, inner),
+    next_loss_scale=_scale_rule(scaler, next_ls, adjusted),
+    mean=cfg.use_grad_mean,
+    when=closing,
+  )
+  pick = lambda a, b: jnp.where(closing, a, b)
+  nonempty = closing & (out.weight > 0)
+  # ``zero`` (0, from the conditional) makes the reset of the buffers depend
+  # on the conditional, so XLA runs it after the conditional's read of them
+  # (else it copies them first: without carrying, the reset is a
+  # conditional of its own).
+  consumed = nonempty & ~(zero > 0)
+  new_counters, old = base.of(new), base.of(accum)
+  if adjusted:
+    scaler = jax.tree.map(pick, adjusted[0], scaler)
+  return _Closed(
+    carrier=upd,
+    inner_state=new_inner,
+    counters=accum.replace(
+      grads=None, **{k: pick(v, old[k]) for k, v in new_counters.items()}
+    ),
+    applied=applied,
+    nonfinite=nonempty & ~applied,
+    consumed=consumed,
+    empty=closing & ~(out.weight > 0),
+    scaler=scaler,
+  )
+
+
+def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
+  """The returned updates and the next window's buffers."""
+  if inner.carry:
+    # ``closed.carrier`` holds the applied window's updates, or the buffers.
+    # Selects, not conditionals: XLA schedules them after the caller's read
+    # of the updates and writes the buffers in place (a conditional here
+    # would make it copy the buffers first).
+    updates = jax.tree.map(
+      lambda c, s: jnp.where(closed.applied, c, jnp.zeros((), c.dtype)).astype(
+        s.dtype
+      ),
+      closed.carrier,
+      inner.shapes,
+    )
+    buffers = jax.tree.map(
+      lambda c: jnp.where(closed.consumed, jnp.zeros((), c.dtype), c),
+      closed.carrier,
+    )
+    return updates, buffers
+  # Zeroing the consumed window's buffers in a conditional of its own (its
+  # predicate comes out of the one above, so it runs after the buffers were
+  # read) lets XLA update them in place.
+  buffers = lax.cond(
+    closed.consumed,
+    lambda b: jax.tree.map(jnp.zeros_like, b),
+    lambda b: b,
+    buffers,
+  )
+  updates = jax.tree.map(
+    lambda u: jnp.where(closed.applied, u, jnp.zeros((), u.dtype)),
+    closed.carrier,
+  )
+  return updates, buffers
+
+
+def _closed(cfg, inner, next_ls, closing, accum, state, params):
+  """:func:`_close` and the plan it ran with (its ``shapes`` known). Traced
+  once more, without carrying, when the updates the close branch traced do
+  not fit the buffers."""
+  run = lambda inner: _close(
+    cfg,
+    inner,
+    next_ls,
+    closing,
+    accum,
+    state.inner_opt_state,
+    params,
+    state.loss_scaler,
+  )
+  closed = run(inner)
+  if inner.shapes is None:
+    shapes = inner.seen[0]
+    if _can_carry(shapes, accum.grads):
+      return closed, inner._replace(shapes=shapes)
+    inner = inner._replace(shapes=shapes, carry=False, seen=[])
+    closed = run(inner)
+  return closed, inner
+
+
+# ---------------------------------------------------------------- update --
+
+
+def _count(flag: jax.Array) -> jax.Array:
+  return jnp.where(flag, jnp.int32(1), jnp.int32(0))
+
+
+def _next_state(state, closed, buffers, closing, mini_step, accum, skip_state):
+  newly_rejected = accum.rejected - state.window.rejected
+  return WeightedMultiStepsState(
+    mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
+    gradient_step=state.gradient_step + _count(closed.applied),
+    inner_opt_state=closed.inner_state,
+    acc_grads=buffers,
+    skip_state=skip_state,
+    window=closed.counters,
+    updated=closed.applied,
+    nonfinite=closed.nonfinite,
+    nonfinite_windows=state.nonfinite_windows + _count(closed.nonfinite),
+    empty_windows=state.empty_windows + _count(closed.empty),
+    skipped=state.skipped,
+    rejected=state.rejected + newly_rejected.astype(jnp.int32),
+    loss_scaler=closed.scaler,
+  )
+
+
+def _closes(cfg: Config, finish, mini_step, gradient_step) -> jax.Array:
+  """Whether this microbatch closes the window: ``finish`` or ``every_k``."""
+  if cfg.every_k is None:
+    return finish
+  k = cfg.every_k(gradient_step) if callable(cfg.every_k) else cfg.every_k
+  return finish | (mini_step >= k)
+
+
+def _check_call(cfg: Config, state: Any, weight: Any, next_ls: Any) -> Any:
+  """The call's own arguments (the grads and weight are checked where they
+  are added); returns the validated next loss scale."""
+  if isinstance(state, optax.MultiStepsState):
+    raise WeightedAccumulationError(
+      "WeightedMultiSteps.update(state): got an optax.MultiStepsState; "
+      "initialise the state with this transformation's own init "
+      "(tx.init(params)), not optax.MultiSteps'."
+    )
+  validation.instance(
+    state,
+    WeightedMultiStepsState,
+    what="WeightedMultiSteps.update(state)",
+    hint="Pass the state from tx.init(params) or the previous update.",
+  )
+  if weight is None:
+    raise WeightedAccumulationError(
+      "WeightedMultiSteps.update: weight= is required (the microbatch's "
+      "item count: tokens, samples). With flax's TrainState, whose "
+      "apply_gradients does not forward it to tx.update, use "
+      "weighted_accum.TrainState; with optax.chain, pass it as "
+      "update(..., weight=n)."
+    )
+  if next_ls is None:
+    return None
+  if state.loss_scaler is not None:
+    raise WeightedAccumulationError(
+      "WeightedMultiSteps.update(next_loss_scale=...): this transformation's "
+      "loss scale is a DynamicLossScale, which sets each window's scale "
+      "itself. Drop next_loss_scale, or construct it with a fixed "
+      "loss_scale."
+    )
+  return validation.loss_scale(
+    next_ls,
+    what="WeightedMultiSteps.update(next_loss_scale=...)",
+    dtype=state.window.loss_scale.dtype,
+  )
+
+
+def _check_shared(cfg: Config, **values: Any) -> None:
+  """With ``axis_name``, the window's decisions are shared: a ``finish``
+  or ``next_loss_scale`` that varies over the data axes would close (or
+  rescale) the window on some replicas only, and their states diverge."""
+  axes = set(cfg.axis_name or ())
+  for name, v in values.items():
+    if v is not None and axes & tree_utils.varying_axes(v):
+      raise WeightedAccumulationError(
+        f"WeightedMultiSteps.update({name}=...): it varies over "
+        f"{sorted(axes & tree_utils.varying_axes(v))}; with axis_name every "
+        "replica must take the same value, or the replicas' states diverge. "
+        "Pass it into shard_map with P() (the same on every replica), or "
+        "agree on it first (e.g. jax.lax.psum of the flag > 0)."
+      )
+
+
+def update(
+  cfg: Config,
+  grads: Any,
+  state: WeightedMultiStepsState,
+  params: Any = None,
+  *,
+  weight: Any = None,
+  finish: Any = None,
+  next_loss_scale: Any = None,
+  **extra_args: Any,
+) -> tuple[Any, WeightedMultiStepsState]:
+  """One microbatch: accumulate, then close the window or keep it open."""
+  next_ls = _check_call(cfg, state, weight, next_loss_scale)
+  finish = validation.traced_flag(
+    finish, what="WeightedMultiSteps.update(finish=...)"
+  )
+  _check_shared(cfg, finish=finish, next_loss_scale=next_ls)
+  accum, skip, skip_state = _accumulate(cfg, state, grads, weight, params)
+  mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
+  closing = _closes(cfg, finish, mini_step, state.gradient_step)
+  inner = _plan_inner(cfg, state, grads, params, extra_args)
+  # Mid-window the inner update is not computed: the one conditional's
+  # skipping branch passes the buffers and the inner state through.
+  closed, inner = _closed(cfg, inner, next_ls, closing, accum, state, params)
+  updates, buffers = _outputs(closed, inner, accum.grads)
+  new = _next_state(
+    state, closed, buffers, closing, mini_step, accum, skip_state
+  )
+  if skip is not None:
+    new = new._replace(skipped=state.skipped + _count(skip))
+  return updates, new

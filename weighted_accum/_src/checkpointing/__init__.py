@@ -1,0 +1,2 @@
+"""Orbax checkpointing of windows: ``checkpoint`` (``AccumSave``,
+``AccumRestore``, their handler and ``abstract_state``)."""

@@ -1,0 +1,10 @@
+"""The window core: the state, its arithmetic and its one open/fill/close path.
+
+``base`` (``AccumState`` and the counter table), ``numerics`` (exact weight
+tallies, NaN-safe finiteness marks), ``tree_utils`` (leaf paths, shardings),
+``accumulation`` (``init``, the one accumulate path, ``from_buffers``),
+``window`` (the one close path), ``finishing`` (``finish_sums``,
+``finish_mean``, ``apply_window``), ``open_window`` (``peek_mean``,
+``discard``), ``loss_scale`` (``DynamicLossScale``) and ``eager_cache``
+(compiled kernels for eager calls).
+"""

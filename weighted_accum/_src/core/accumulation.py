@@ -1,0 +1,586 @@
+"""Opening and filling a window: ``init``, ``from_buffers``,
+``accumulate_sum``, ``accumulate_mean`` and ``set_loss_scale``.
+
+Each validates its inputs (``validation``; structure cached per signature
+when eager, ``eager_cache``), then runs a jitted kernel that inlines into the
+caller's ``jit`` and updates donated buffers in place (``docs/design.md``,
+"Performance rules"). Windows are closed in :mod:`weighted_accum._src.core.window`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import functools
+import math
+from typing import Any
+
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
+import numpy as np
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import base
+from weighted_accum._src.core import eager_cache
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core.base import AccumState
+from weighted_accum._src.errors import WeightedAccumulationError
+
+# ------------------------------------------------------------------- init --
+
+
+def init(
+  params: Any, dtype: DTypeLike = jnp.float32, loss_scale: ArrayLike = 1.0
+) -> AccumState:
+  """Starts an empty window with zero buffers shaped like ``params``.
+
+  Args:
+    params: any pytree of floating arrays (dict, nested containers,
+      ``flax.nnx.State``, trees with ``None`` leaves, or abstract values under
+      ``jax.eval_shape``). Only shapes, dtypes and shardings are read.
+    dtype: the work dtype of the buffers (float32 recommended; bfloat16 and
+      float16 halve the memory at a precision cost; float64 with x64).
+    loss_scale: the factor the caller multiplies every loss of the window by
+      (e.g. 2**15 for float16), or a :class:`~weighted_accum.DynamicLossScale`
+      (its ``scale``). Divided out once at finish. Never inferred.
+
+  Returns:
+    An empty :class:`~weighted_accum.AccumState`; each buffer is on its
+    param's sharding.
+
+  Raises:
+    WeightedAccumulationError: for a non-floating work dtype or param,
+      params committed to different devices, or a non-finite or
+      non-positive concrete loss scale.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> state = wa.init({'w': jnp.zeros((2, 3)), 'b': jnp.zeros(3)},
+    ...                 dtype=jnp.float32, loss_scale=1.0)
+    >>> state.grads['w'].shape, int(state.issued)
+    ((2, 3), 0)
+  """
+  dt = validation.work_dtype(dtype, what="init(dtype=...)")
+  ls = validation.loss_scale(
+    loss_scale, what="init(loss_scale=...)", dtype=numerics.tally_dtype(dt)
+  )
+  tree_utils.check_leaves_floating(
+    tree_utils.flat(params),
+    what="init(params)",
+    hint="Only floating params have gradients: pass just the trainable "
+    "leaves, e.g. nnx.state(model, nnx.Param) or eqx.filter(model, "
+    "eqx.is_inexact_array).",
+  )
+  tree_utils.check_one_device_set(params, what="init(params)")
+  buffers = jax.tree.map(lambda p: tree_utils.zeros_like(p, dt), params)
+  counters = base.initial(work_dtype=dt, loss_scale=ls)
+  return AccumState(
+    grads=buffers, dtype=dt, **tree_utils.commit_like(counters, buffers)
+  )
+
+
+# ----------------------------------------------------------- from_buffers --
+
+
+def _buffers_dtype(named: list[tuple[str, Any]]) -> np.dtype:
+  """The one floating dtype of restored buffers (float32 if there are none)."""
+  tree_utils.check_leaves_floating(named, what="from_buffers(buffers)")
+  # A buffer's own dtype: a NumPy float64 buffer is float64, not the float32
+  # JAX would silently make of it without x64.
+  dtypes = [tree_utils.leaf_dtype(b) for _, b in named]
+  if len(set(dtypes)) > 1:
+    odd = sorted(set(dtypes), key=str)[-1]
+    raise WeightedAccumulationError(
+      "from_buffers(buffers): buffers mix dtypes "
+      f"{sorted(map(str, set(dtypes)))} (e.g. leaf "
+      f"{named[dtypes.index(odd)][0]}); an accumulator has one work dtype. "
+      "Restore every buffer in the dtype it was saved in."
+    )
+  return validation.work_dtype(
+    dtypes[0] if dtypes else jnp.float32, what="from_buffers(buffers)"
+  )
+
+
+def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
+  """Only positive-weight microbatches add to the buffers: a window of total
+  weight 0 has zero buffers (see ``docs/design.md``, "State")."""
+  for path, b in named:
+    if bool(jnp.any(numerics.nonzero(b))):  # on the bits: subnormals count
+      raise WeightedAccumulationError(
+        f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
+        "say the window's total weight is 0 (only positive-weight "
+        "microbatches add to the buffers). Buffers and counters come from "
+        "different saves: restore them together."
+      )
+
+
+def _param_sharding(param: Any) -> jax.sharding.Sharding | None:
+  """Where a param lives: a concrete array's sharding, or the one a
+  ``jax.ShapeDtypeStruct`` carries (None for tracers and host values)."""
+  if tree_utils.is_traced(param):
+    return None
+  sharding = getattr(param, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _place(buf: Any, param: Any, path: str, dtype: np.dtype) -> jax.Array:
+  target = _param_sharding(param)
+  if target is None:
+    return jnp.asarray(buf, dtype)
+  if isinstance(buf, jax.Array):
+    if not buf.sharding.is_equivalent_to(target, buf.ndim):
+      raise WeightedAccumulationError(
+        f"from_buffers(buffers): leaf {path} is placed on {buf.sharding}, "
+        f"but its param is on {target}. Restore it onto the param's "
+        "sharding (e.g. jax.device_put(buf, param.sharding))."
+      )
+    return buf
+  if not getattr(param, "committed", True):  # as the param: uncommitted
+    return jnp.asarray(np.asarray(buf, dtype))
+  return jax.device_put(np.asarray(buf, dtype), target)
+
+
+def from_buffers(
+  params: Any, buffers: Any, counters: Mapping[str, Any]
+) -> AccumState:
+  """Reattaches restored buffers and counters to ``params``, validated.
+
+  Use it when the buffers were restored by other means than
+  :mod:`weighted_accum.checkpoint` (a custom store, ``np.load``...).
+
+  Args:
+    params: the params the buffers belong to (defines paths, shapes and
+      placement).
+    buffers: a tree with exactly ``params``' leaf paths and shapes, all in
+      one floating work dtype. Host (NumPy) leaves are put on the param's
+      sharding; device arrays must already be on it.
+    counters: the saved :attr:`AccumState.counters` (``total_weight`` may
+      replace ``weight_hi``/``weight_lo``).
+
+  Returns:
+    An :class:`~weighted_accum.AccumState` that continues the saved window
+    exactly.
+
+  Raises:
+    WeightedAccumulationError: naming the first offending leaf path or
+      counter.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> params = {'w': jnp.zeros(2)}
+    >>> s = wa.accumulate_sum(wa.init(params), {'w': jnp.ones(2)}, 5)
+    >>> r = wa.from_buffers(params, s.grads, s.counters)
+    >>> r.total_weight, int(r.issued)
+    (5.0, 1)
+  """
+  leaves = tree_utils.match_tree(
+    params, buffers, what="from_buffers(buffers)", ref_name="params"
+  )
+  paths = tree_utils.leaf_paths(params)
+  dtype = _buffers_dtype(list(zip(paths, leaves)))
+  c = validation.saved_counters(
+    counters,
+    base.COUNTERS,
+    lambda name: base.dtype_of(name, dtype),
+    what="from_buffers(counters)",
+  )
+  p_leaves, treedef = jax.tree.flatten(params)
+  placed = [
+    _place(b, p, path, dtype) for b, p, path in zip(leaves, p_leaves, paths)
+  ]
+  if c["weight_hi"] + c["weight_lo"] == 0:
+    _check_empty_window_zero(list(zip(paths, placed)))
+  return AccumState(
+    grads=jax.tree.unflatten(treedef, placed),
+    dtype=dtype,
+    **tree_utils.commit_like(base.initial(work_dtype=dtype, **c), placed),
+  )
+
+
+# ------------------------------------------------------------- accumulate --
+
+
+def check_structure(state: AccumState, grads: Any, name: str) -> list[Any]:
+  """The structural checks of one microbatch's grads against the buffers;
+  returns the grads' leaves in the buffers' order."""
+  leaves = tree_utils.match_tree(state.grads, grads, what=f"{name}(grads)")
+  named = list(zip(tree_utils.leaf_paths(state.grads), leaves))
+  tree_utils.check_leaves_floating(named, what=f"{name}(grads)")
+  return leaves
+
+
+def convert_weight(
+  state: AccumState, weight: Any, name: str
+) -> validation.Weight:
+  """The weight converted to the state's tally dtype (raises for a concrete
+  one it cannot hold; see ``docs/inputs.md``)."""
+  return validation.weight(
+    weight, what=f"{name}(weight)", tally=state.weight_hi.dtype
+  )
+
+
+def check_room(state: AccumState, w: validation.Weight, name: str) -> None:
+  """Eagerly refuses a microbatch the state cannot record (the kernel
+  rejects it under ``jit``): a window whose loss scale is unusable, a full
+  ``issued`` counter, a total weight beyond the tally's range."""
+  values = (state.loss_scale, state.issued, state.weight_hi, w.hi, w.lo)
+  if any(tree_utils.is_traced(v) for v in values):
+    return
+  ls = float(np.asarray(state.loss_scale))
+  if not (math.isfinite(ls) and ls > 0):
+    raise WeightedAccumulationError(
+      f"{name}(state): the window's loss scale is {ls!r} (an invalid traced "
+      "loss scale was given to init, set_loss_scale or as next_loss_scale), "
+      "so its microbatches cannot be used. Start a window with a valid "
+      "next_loss_scale (finish_sums(state, next_loss_scale=...))."
+    )
+  if int(state.issued) >= validation.INT32_MAX:
+    raise WeightedAccumulationError(
+      f"{name}(state): 'issued' is {int(state.issued)}, the most an int32 "
+      "counter holds. Finish the window first."
+    )
+  total = state.total_weight + float(w.hi) + float(w.lo)
+  if total > float(np.finfo(state.weight_hi.dtype).max):
+    raise WeightedAccumulationError(
+      f"{name}(weight): the window's total weight would become {total!r}, "
+      f"beyond the {state.weight_hi.dtype} tally's range. Finish the window "
+      "first, or scale all weights down by a common factor."
+    )
+
+
+def _structure(
+  state: AccumState, grads: Any, name: str
+) -> tuple[list[Any], bool, Any]:
+  """The grads' leaves, whether all sit on their buffers' shardings, and
+  the grads' signature: validated once per signature when eager
+  (``eager_cache``)."""
+  grads_sig, leaves = eager_cache.signature(grads)
+  placed = eager_cache.last_output(name, state, grads_sig)
+  if placed is not None:  # the state this entry point returned last
+    return leaves, placed, grads_sig
+  bufs_sig, _ = eager_cache.signature(state.grads)
+  key = None
+  if grads_sig is not None and bufs_sig is not None:
+    key = (name, grads_sig, bufs_sig)
+    placed = eager_cache.lookup(key)
+    if placed is not None:
+      return leaves, placed, grads_sig
+  leaves = check_structure(state, grads, name)
+  placed = all(
+    not (isinstance(g, jax.Array) and isinstance(b, jax.Array))
+    or tree_utils.is_traced(g)
+    or tree_utils.is_traced(b)
+    or g.sharding.is_equivalent_to(b.sharding, b.ndim)
+    for g, b in zip(leaves, jax.tree.leaves(state.grads))
+  )
+  if key is not None:
+    eager_cache.remember(key, placed)
+  return leaves, placed, grads_sig
+
+
+def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
+  """Eagerly, moves grads sharded unlike their buffers onto the buffers'
+  shardings, so the result keeps the params' placement (under ``jit`` the
+  partitioner decides; params and grads normally agree there)."""
+  out = []
+  for g, b in zip(leaves, jax.tree.leaves(state.grads)):
+    if (
+      isinstance(g, jax.Array)
+      and isinstance(b, jax.Array)
+      and not tree_utils.is_traced(g)
+      and not tree_utils.is_traced(b)
+      and not g.sharding.is_equivalent_to(b.sharding, b.ndim)
+    ):
+      g = jax.device_put(g, b.sharding)
+    out.append(g)
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("mean",))
+def _kernel(
+  state: AccumState, leaves: list[Any], weight: validation.Weight, mean: bool
+) -> AccumState:
+  hi, lo = numerics.two_sum_add(state.weight_hi, state.weight_lo, weight.hi)
+  hi, lo = numerics.two_sum_add(hi, lo, weight.lo)
+  # Rejected whole (and counted): an invalid weight, a window whose loss scale
+  # is unusable, a total the tally cannot hold, a full counter.
+  room = state.issued < validation.INT32_MAX
+  valid = (
+    weight.ok & validation.scale_ok(state.loss_scale) & jnp.isfinite(hi) & room
+  )
+  # weight.hi is zero or a normal number (subnormals were refused): the
+  # comparison reads the same in every fusion.
+  take = valid & (weight.hi > 0)
+  dt = state.dtype
+  ct = numerics.compute_dtype(dt)
+  # The microbatch's weight where it is taken, else 0; positive exactly
+  # where it is taken (a taken weight is normal and positive). One scalar
+  # that every leaf's loop reads (numerics.computed_once).
+  w = jnp.where(take, weight.hi.astype(ct) + weight.lo.astype(ct), 0)
+  w = numerics.computed_once(w)
+
+  def update(buf, g):
+    # Convert first, then scale (docs/design.md, "The math").
+    contrib = numerics.mean_contribution(g, w, dt) if mean else g.astype(dt)
+    # A select, not a multiplication: a zero-weight or rejected microbatch
+    # adds nothing even when its grads are NaN/Inf (0 * NaN would leak). Fuses
+    # into one read-read-write loop per leaf.
+    return buf + jnp.where(w > 0, contrib, jnp.zeros((), dt))
+
+  buf_leaves, treedef = jax.tree.flatten(state.grads)
+  new_buffers = jax.tree.unflatten(
+    treedef, [update(b, g) for b, g in zip(buf_leaves, leaves)]
+  )
+  one = jnp.int32(1)
+  return state.replace(
+    grads=new_buffers,
+    issued=state.issued + jnp.where(room, one, 0),
+    zero_weight=state.zero_weight + jnp.where(valid & ~take, one, 0),
+    rejected=state.rejected + jnp.where(valid | ~room, 0, one),
+    weight_hi=jnp.where(take, hi, state.weight_hi),
+    weight_lo=jnp.where(take, lo, state.weight_lo),
+  )
+
+
+def add(
+  state: AccumState,
+  grads: Any,
+  weight: Any,
+  *,
+  mean: bool,
+  checked: bool = False,
+  name: str,
+  allow_reduced: bool = False,
+) -> AccumState:
+  """Validates one microbatch and adds it: the one accumulate path.
+
+  The weight is converted once (``validation.weight``; an already converted
+  ``validation.Weight`` passes through). Under ``jit`` an invalid weight
+  rejects the microbatch whole (counted in ``rejected``); with ``checked`` a
+  ``checkify`` check reports it too. ``allow_reduced``: the caller handles
+  grads autodiff already summed over a data axis
+  (:mod:`weighted_accum.distributed`); else they are refused.
+  """
+  validation.instance(
+    state,
+    AccumState,
+    what=f"{name}(state)",
+    hint="Pass the window from wa.init (or the previous call) first, then "
+    "the grads and the weight.",
+  )
+  if np.ndim(state.weight_hi):
+    raise WeightedAccumulationError(
+      f"{name}(state): this window is per replica, stacked over "
+      f"{np.shape(state.weight_hi)[0]} replicas (distributed.init outside "
+      "shard_map). Add to it inside shard_map with the distributed "
+      "functions, or with f.accumulate of microbatched_value_and_grad("
+      "..., data_axes=...) under jit."
+    )
+  checked = validation.static_flag(checked, what=f"{name}(checked=...)")
+  leaves, placed, grads_sig = _structure(state, grads, name)
+  w = convert_weight(state, weight, name)
+  check_room(state, w, name)
+  if not allow_reduced and tree_utils.is_traced(w.hi):
+    # Only a traced weight can vary over mesh axes: the leaves' paths (for
+    # the error) are not built on eager calls.
+    tree_utils.check_not_reduced_against_weight(
+      list(zip(tree_utils.leaf_paths(state.grads), leaves)),
+      w.hi,
+      what=f"{name}(grads)",
+    )
+  if checked and tree_utils.is_traced(w.ok):
+    checkify.check(
+      w.ok,
+      name + ": weight {w} is not a finite non-negative item count the "
+      "weight tally holds; the microbatch was rejected (state.rejected "
+      "counts it).",
+      w=jnp.asarray(weight).astype(jnp.float32),
+    )
+  if not placed:
+    leaves = _on_buffer_shardings(state, leaves)
+  new = _kernel(state, leaves, w, mean=mean)
+  eager_cache.remember_output(name, new, grads_sig, placed)
+  return new
+
+
+def accumulate_sum(
+  state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
+) -> AccumState:
+  """Adds the gradients of a microbatch's loss SUM.
+
+  ``buffer += cast(grads, work dtype)``; the window's weight grows by
+  ``weight``. Use it when the loss was ``sum(w * l)`` over the microbatch
+  (times the window's loss scale).
+
+  Args:
+    state: the window so far.
+    grads: gradients of the summed loss: a tree with the params' leaf paths
+      and shapes, in any floating dtype (float32, bfloat16, float16).
+    weight: the microbatch's effective item count (tokens, samples), a
+      scalar; may be fractional and traced (no recompilation per value). A
+      weight of exactly 0 counts as issued and adds nothing, even if ``grads``
+      holds NaN/Inf.
+    checked: under ``jax.jit``, also emit a ``checkify`` check for an invalid
+      weight, so that a ``checkify.checkify``-wrapped step reports it.
+
+  Returns:
+    The new state. Under ``jit`` a weight that cannot be stored (negative,
+    NaN, infinite, subnormal, beyond the tally's range; see
+    ``docs/inputs.md``) rejects the microbatch whole: buffers and weight
+    unchanged, ``issued`` and ``rejected`` incremented.
+
+  Raises:
+    WeightedAccumulationError: for a grads tree that does not match the
+      buffers (naming the leaf path), or a concrete invalid weight.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> params = {'w': jnp.array([1.0, -1.0])}
+    >>> loss_sum = lambda p, x: jnp.sum((x @ p['w']) ** 2)
+    >>> x1, x2 = jnp.ones((3, 2)), 2 * jnp.ones((1, 2))
+    >>> state = wa.init(params)
+    >>> state = wa.accumulate_sum(state, jax.grad(loss_sum)(params, x1), 3)
+    >>> state = wa.accumulate_sum(state, jax.grad(loss_sum)(params, x2), 1)
+    >>> out, state = wa.finish_mean(state)
+    >>> out.weight.item()
+    4.0
+  """
+  return add(
+    state, grads, weight, mean=False, checked=checked, name="accumulate_sum"
+  )
+
+
+def accumulate_mean(
+  state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
+) -> AccumState:
+  """Adds the gradients of a microbatch's loss MEAN, weighted by its size.
+
+  ``buffer += cast(grads, work dtype) * weight`` (multiplied after the
+  conversion, in at least float32), so microbatches of unequal size are not
+  averaged equally. Use it when the loss was ``sum(w * l) / weight``.
+
+  Args:
+    state: the window so far.
+    grads: gradients of the mean loss (times the window's loss scale).
+    weight: the effective item count the mean divided by; see
+      :func:`accumulate_sum`.
+    checked: see :func:`accumulate_sum`.
+
+  Returns:
+    The new state; see :func:`accumulate_sum`.
+
+  Raises:
+    WeightedAccumulationError: see :func:`accumulate_sum`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> state = wa.init({'w': jnp.zeros(1)})
+    >>> state = wa.accumulate_mean(state, {'w': jnp.array([1.0])}, 3)
+    >>> state = wa.accumulate_mean(state, {'w': jnp.array([5.0])}, 1)
+    >>> out, _ = wa.finish_mean(state)   # (3*1 + 1*5) / 4, not (1 + 5) / 2
+    >>> out.grads['w'].item()
+    2.0
+  """
+  return add(
+    state, grads, weight, mean=True, checked=checked, name="accumulate_mean"
+  )
+
+
+# --------------------------------------------------------- set_loss_scale --
+
+
+def set_loss_scale(
+  state: AccumState, loss_scale: Any, *, checked: bool = False
+) -> AccumState:
+  """Sets the loss scale of a window to which nothing was added yet.
+
+  The scale is constant within a window, so only a window of total weight
+  0 may change it: one just started by a finish, or one holding only
+  zero-weight or rejected microbatches (they added nothing to the buffers).
+  The rest of the state is unchanged.
+
+  Args:
+    state: the open window.
+    loss_scale: the new scale, a finite positive scalar, or a
+      :class:`~weighted_accum.DynamicLossScale` (its ``scale``). Stored in
+      the state's loss-scale dtype (float32; float64 for a float64 work
+      dtype).
+    checked: under ``jax.jit``, also emit ``checkify`` checks for the two
+      conditions below.
+
+  Returns:
+    ``state`` with ``loss_scale`` replaced. Under ``jit``, where it cannot
+    raise, a traced invalid scale (non-finite, non-positive, flushed to
+    zero) or a window that already holds weight makes the window's scale
+    NaN: the window is unusable (its microbatches are rejected and counted,
+    its finish reports ``valid=False``) until a finish starts the next one
+    with a valid ``next_loss_scale``. Keeping the old scale instead would
+    divide grads scaled by the new factor by the old one, reported valid.
+
+  Raises:
+    WeightedAccumulationError: for a concrete invalid scale, or a concrete
+      window that already holds weight (finish it first).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import weighted_accum as wa
+    >>> scaler = wa.DynamicLossScale(2.0**16)
+    >>> state = wa.init({'w': jnp.zeros(2)}, loss_scale=scaler)
+    >>> state = wa.accumulate_mean(state, {'w': jnp.full(2, 2.0**16)}, 3)
+    >>> out, state = wa.finish_mean(state)
+    >>> scaler = scaler.adjust(out.finite)
+    >>> state = wa.set_loss_scale(state, scaler)
+    >>> float(state.loss_scale), out.grads['w'].tolist()
+    (65536.0, [1.0, 1.0])
+  """
+  validation.instance(
+    state,
+    AccumState,
+    what="set_loss_scale(state)",
+    hint="Pass the window from wa.init or a finish, then the scale.",
+  )
+  checked = validation.static_flag(checked, what="set_loss_scale(checked=...)")
+  ls = validation.loss_scale(
+    loss_scale,
+    what="set_loss_scale(loss_scale)",
+    dtype=state.loss_scale.dtype,
+  )
+  if not tree_utils.is_traced(state.weight_hi):
+    total = state.total_weight
+    if total != 0:
+      raise WeightedAccumulationError(
+        f"set_loss_scale: the open window already holds total weight "
+        f"{total!r} from {int(state.issued)} microbatch(es) accumulated at "
+        f"loss scale {float(state.loss_scale)!r}; the scale is constant "
+        "within a window. Finish the window first, or set the next "
+        "window's scale with finish_mean/finish_sums(next_loss_scale=...)."
+      )
+  return _set_scale(state, ls, checked)
+
+
+def _set_scale(state: AccumState, ls: Any, checked: bool) -> AccumState:
+  ls = jnp.asarray(ls, state.loss_scale.dtype)
+  empty = (state.weight_hi == 0) & (state.weight_lo == 0)
+  ok = validation.scale_ok(ls)
+  if checked and (tree_utils.is_traced(ls) or tree_utils.is_traced(empty)):
+    checkify.check(
+      ok,
+      "set_loss_scale: loss scale {s} is not a finite positive normal "
+      "number; the window is unusable (its scale is NaN).",
+      s=ls,
+    )
+    checkify.check(
+      empty,
+      "set_loss_scale: the open window already holds weight; the scale is "
+      "constant within a window, so the window is unusable (its scale is "
+      "NaN).",
+    )
+  nan = jnp.asarray(np.nan, ls.dtype)
+  return state.replace(loss_scale=jnp.where(empty & ok, ls, nan))

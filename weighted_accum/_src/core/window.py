@@ -1,0 +1,517 @@
+"""Closing a window: the one close path (``finish``, ``close``) and the
+public closers ``finish_sums``, ``finish_mean`` and ``apply_window``.
+
+Every window of the library is closed here: by the functional API, the optax
+wrapper, the in-step loop and the data-parallel helpers. Finiteness and
+validity are decided once per window, by NaN-safe marks
+(``numerics.nonfinite_mark``) reduced over every manual mesh axis, so every
+shard of every replica reads the same ``finite`` and ``valid``. Why the close
+is laid out so (one read of the sums, a conditional the invalid window skips,
+the division fused into the optimizer): ``docs/design.md``, "Closing a
+window".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+import math
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import base
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core.base import AccumState
+from weighted_accum._src.core.base import AccumulatedGradients
+from weighted_accum._src.errors import WeightedAccumulationError
+
+Axes = tuple[str, ...]
+
+# --------------------------------------------------------------- division --
+
+
+def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
+  """A positive finite weight and a usable (finite, positive, normal) loss
+  scale: what a division needs to mean anything."""
+  return (weight > 0) & jnp.isfinite(weight) & validation.scale_ok(loss_scale)
+
+
+def divide(
+  sums: Any,
+  loss_scale: jax.Array,
+  weight: jax.Array,
+  *,
+  wide: bool = False,
+  mark_nonfinite: bool = False,
+  usable: bool = False,
+) -> Any:
+  """``(sums / loss_scale) / weight`` per leaf; zeros where the divisors are
+  not usable.
+
+  Sequential division in at least float32, never by ``loss_scale * weight``
+  (which can overflow float16). Each result leaf has its sum's dtype, or with
+  ``wide`` the compute dtype (at least float32: when ``weight * loss_scale <
+  1`` the mean can exceed float16's range although the sums do not). With
+  ``mark_nonfinite`` the result is NaN where the sum was NaN or Inf, so the
+  result alone tells a non-finite pending value (NaN) from an overflow of the
+  mean (Inf). ``usable=True`` skips the divisor check where the caller knows
+  them usable (inside a ``lax.cond`` on a valid window): XLA would otherwise
+  copy the scalar check into every leaf's fused loop.
+  """
+  ok = True if usable else usable_divisors(loss_scale, weight)
+
+  def one(b):
+    ct = numerics.compute_dtype(b.dtype)
+    g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
+    if not usable:
+      g = jnp.where(ok, g, jnp.zeros((), ct))
+    if mark_nonfinite:
+      g = jnp.where(jnp.isfinite(b), g, jnp.asarray(jnp.nan, ct))
+    return g if wide else g.astype(b.dtype)
+
+  return jax.tree.map(one, sums)
+
+
+# ------------------------------------------------------ the next window --
+
+
+def next_window(
+  state: AccumState, next_loss_scale: Any = None, *, keep: Any = None
+) -> AccumState:
+  """An empty window after ``state`` on fresh zero buffers (each on its
+  buffer's sharding), its counters as the table's ``at_finish`` says, its
+  loss scale ``next_loss_scale`` (validated; ``None``: unchanged).
+
+  Where ``keep`` is true the counters but the loss scale stay ``state``'s: a
+  window of zero total weight is not consumed, and its buffers are all zero,
+  so the fresh zeros are its own buffers. The next loss scale applies to a
+  kept window too: it holds no scaled value, and keeping the old scale would
+  divide the caller's next microbatches by the wrong factor.
+  """
+  ls = state.loss_scale if next_loss_scale is None else next_loss_scale
+  counters = base.at_finish(state, jnp.asarray(ls, state.loss_scale.dtype))
+  if keep is not None:
+    old = base.of(state)
+    counters = {
+      k: v if k == "loss_scale" else jnp.where(keep, old[k], v)
+      for k, v in counters.items()
+    }
+  return state.replace(
+    grads=jax.tree.map(tree_utils.zeros_like, state.grads), **counters
+  )
+
+
+# ------------------------------------------------------ collectives --
+
+
+class LeafReduce(NamedTuple):
+  """How :func:`psum_window` reduces one buffer: a tiled ``psum_scatter``
+  over ``scatter`` along dimension ``dim`` (a buffer whose param is sharded
+  there over those data axes), then a ``psum`` over ``psum``. A buffer
+  already reduced over its sharded axes (autodiff of an ``all_gather``)
+  has ``scatter=()``."""
+
+  psum: Axes
+  scatter: Axes = ()
+  dim: int = 0
+
+
+#: The scalars of a two-float tally pair, summed exactly by psum_window.
+PAIR = ("weight_hi", "weight_lo")
+
+
+def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
+  """The axes to sum a leaf over: those it varies over (an unvarying leaf is
+  identical on every replica, i.e. already global)."""
+  if not vma_on:
+    return axes
+  return tuple(a for a in axes if a in tree_utils.varying_axes(x))
+
+
+def _plans(leaves: list[Any], plan: Any, axes: Axes, vma_on: bool) -> list:
+  plan = [None] * len(leaves) if plan is None else list(plan)
+  out = []
+  for x, p in zip(leaves, plan):
+    if p is None:
+      p = LeafReduce(_leaf_axes(x, axes, vma_on))
+    elif vma_on:
+      p = p._replace(psum=_leaf_axes(x, p.psum, True))
+    out.append(p)
+  return out
+
+
+def _scalar_values(scalars: Mapping[str, Any], w: int) -> dict:
+  """The scalars as the float32 (or wider) values one psum sums: an exact
+  pair (float32 :data:`PAIR`) as the sum of its parts' limbs."""
+  values = {}
+  for k, v in scalars.items():
+    v = jnp.asarray(v)
+    values[k] = v.astype(jnp.promote_types(v.dtype, jnp.float32))
+  if all(k in values for k in PAIR) and values[PAIR[0]].dtype == jnp.float32:
+    hi, lo = (values.pop(k) for k in PAIR)
+    pieces = zip(numerics.split_limbs(hi, w), numerics.split_limbs(lo, w))
+    values["_limbs"] = [a + b for a, b in pieces]  # exact: small integers
+  return values
+
+
+def psum_window(
+  sums: Any,
+  scalars: Mapping[str, Any],
+  axes: Axes,
+  *,
+  vma_on: bool,
+  plan: Any = None,
+) -> tuple[Any, dict[str, jax.Array]]:
+  """One collective round: the sums (each over the axes it varies over, or
+  as ``plan`` says) together with the per-replica ``scalars`` (always
+  summed over ``axes``; counts as float32, exact below 2**24).
+
+  A float32 weight pair (``weight_hi``, ``weight_lo`` among the scalars)
+  is summed exactly: each replica splits both parts into limbs of ``w``
+  bits (:func:`numerics.split_limbs`, ``w`` from the replica count) and
+  adds them, the limbs ride in the same ``psum`` as float32 values whose
+  sums are exact integers, and the pair is rebuilt from the summed limbs
+  (exact for per-replica totals below 2**48; fractions rounded once).
+  Summing ``hi`` and ``lo`` as two float32 values would round each sum.
+
+  Args:
+    sums: the buffers.
+    scalars: per-replica scalars by name.
+    axes: the data axes.
+    vma_on: whether varying types are tracked (else every buffer is summed
+      over every axis).
+    plan: per buffer leaf (flattening order), ``None`` (the default above)
+      or a :class:`LeafReduce`.
+
+  Returns:
+    The global sums (a scattered leaf is this replica's shard) and the
+    summed scalars, by name.
+  """
+  leaves, treedef = jax.tree.flatten(sums)
+  plans = _plans(leaves, plan, axes, vma_on)
+  out = list(leaves)
+  for i, p in enumerate(plans):
+    if p.scatter:
+      out[i] = lax.psum_scatter(
+        out[i], p.scatter, scatter_dimension=p.dim, tiled=True
+      )
+  groups: dict[Axes, list[int]] = {}
+  for i, p in enumerate(plans):
+    if p.psum:
+      groups.setdefault(p.psum, []).append(i)
+  size = math.prod(lax.axis_size(a) for a in axes)
+  w = numerics.limb_width(size)
+  values = _scalar_values(scalars, w)
+  values = tree_utils.to_varying(values, axes) if vma_on else values
+  full = groups.pop(axes, [])
+  red, values = lax.psum(([out[i] for i in full], values), axes)
+  for i, v in zip(full, red):
+    out[i] = v
+  for ax, idx in groups.items():
+    for i, v in zip(idx, lax.psum([out[i] for i in idx], ax)):
+      out[i] = v
+  if "_limbs" in values:
+    values.update(zip(PAIR, numerics.join_limbs(values.pop("_limbs"), w)))
+  return jax.tree.unflatten(treedef, out), values
+
+
+def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Finiteness marks (0 or NaN) summed over every manual mesh axis of the
+  enclosing ``shard_map`` they vary over (all of them without varying
+  types), so every shard decides alike. A no-op outside ``shard_map``: under
+  ``jit`` the marks of sharded arrays are global already (XLA reduces them
+  across devices, and a sum cannot drop a NaN)."""
+  axes = tree_utils.manual_axes()
+  if not axes:
+    return marks
+  if tree_utils.vma_checked(axes):
+    out = []
+    for m in marks:
+      ax = tuple(a for a in axes if a in tree_utils.varying_axes(m))
+      out.append(lax.psum(m, ax) if ax else m)
+    return tuple(out)
+  return tuple(lax.psum(marks, axes))
+
+
+def gated_marks(tree: Any, when: jax.Array | None) -> tuple[jax.Array]:
+  """``(mark,)``: the global finiteness mark of ``tree`` (see
+  :func:`global_marks`), read only where ``when`` is true (0 elsewhere).
+
+  The read runs in a ``lax.cond`` whose outputs are one scalar: a step that
+  closes a window only sometimes (the optax wrapper) does not read its
+  buffers on the other steps, and the conditional that applies the window
+  need not be nested in another one (each conditional's outputs are copied
+  at its boundary by XLA's copy insertion, whose cost grows faster than the
+  number of leaves)."""
+  if when is None:
+    return global_marks((numerics.tree_mark(tree),))
+  mark = lax.cond(
+    when,
+    lambda t: global_marks((numerics.tree_mark(t),))[0],
+    lambda t: jnp.zeros((), jnp.float32),
+    tree,
+  )
+  return (mark,)
+
+
+def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
+  if set(axes) & tree_utils.varying_axes(loss_scale):
+    raise WeightedAccumulationError(
+      f"{what}: the loss scale varies over {axes}; every replica must use "
+      "the same loss scale for a window. Pass it in with P() (unvarying)."
+    )
+
+
+# ---------------------------------------------------------------- result --
+
+
+def result(
+  sums: Any,
+  weight: jax.Array,
+  loss_scale: jax.Array,
+  issued: jax.Array,
+  *,
+  mean: bool,
+  require_weight: bool,
+  when: jax.Array | None = None,
+) -> AccumulatedGradients:
+  """What a finish returns, from the (global) sums and weight.
+
+  ``finite`` says every PENDING sum is finite: what a dynamic loss scaler
+  reacts to (a mean that overflows float16 because ``weight * loss_scale <
+  1`` is no reason to lower the scale). ``valid`` is ``finite``, a usable
+  loss scale, with ``require_weight`` a positive finite ``weight``, and with
+  ``mean`` a result that is finite in the work dtype.
+
+  Both flags come from NaN-safe marks read AFTER the result is written
+  (reading the donated sums before would make XLA copy them): with ``mean``
+  the result is NaN exactly where a sum was non-finite
+  (``divide(..., mark_nonfinite=True)``), so a NaN is a non-finite pending
+  value and an Inf an overflow of the mean.
+
+  With ``when`` (a traced bool; ``mean=False`` only) the sums are read only
+  where it is true, inside a ``lax.cond`` whose only outputs are the marks
+  (see :func:`gated_marks`); elsewhere the result says finite.
+  """
+  loss_scale = jnp.asarray(loss_scale)
+  usable = validation.scale_ok(loss_scale)
+  if require_weight:
+    usable = usable & usable_divisors(loss_scale, weight)
+  if mean:
+    grads = divide(sums, loss_scale, weight, mark_nonfinite=True)
+    pending, any_bad = global_marks(
+      (
+        numerics.tree_mark(grads, numerics.nan_mark),
+        numerics.tree_mark(grads),
+      )
+    )
+    finite = ~jnp.isnan(pending)
+    usable = usable & ~jnp.isnan(any_bad)
+  else:
+    grads = sums
+    (any_bad,) = gated_marks(grads, when)
+    finite = ~jnp.isnan(any_bad)
+  return AccumulatedGradients(
+    grads=grads,
+    weight=weight,
+    loss_scale=loss_scale,
+    issued=jnp.asarray(issued).astype(jnp.int32),
+    finite=finite,
+    valid=finite & usable,
+  )
+
+
+def finish(
+  state: AccumState,
+  *,
+  mean: bool,
+  keep_empty: bool | None = None,
+  next_loss_scale: Any = None,
+  axes: Axes = (),
+  vma_on: bool | None = None,
+  extra: Mapping[str, Any] | None = None,
+  plan: Any = None,
+  what: str = "finish",
+  when: jax.Array | None = None,
+) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
+  """Finishes ``state``'s window: the one finish path of the library.
+
+  Pure and traceable (no Python value checks: callers validate their inputs
+  first, ``next_loss_scale`` included); call it under ``jit``, inside
+  ``shard_map`` (with ``axes``), inside a ``lax.cond`` branch or a
+  ``lax.scan`` body.
+
+  Steps: (1) with ``axes``, one ``psum`` of the buffers together with the
+  table's ``SUMMED`` counters (weight pair, ``issued``) and ``extra``; (2)
+  the result (:func:`result`: finiteness and validity decided globally);
+  (3) the next window (:func:`next_window`), which with ``keep_empty`` keeps
+  the counters of a window of zero total weight.
+
+  Args:
+    state: the window (per replica when ``axes`` are given).
+    mean: divide (``finish_mean``) or return the still-scaled sums
+      (``finish_sums``; the closes divide inside their conditional).
+    keep_empty: keep the counters of a zero-weight window and require a
+      positive weight in ``out.valid`` (default: ``mean``).
+    next_loss_scale: the next window's loss scale, validated
+      (``validation.loss_scale``), ``None``, or a function of this window's
+      result returning it (a dynamic loss scale adjusted by ``out.finite``).
+    axes: the mesh axes to reduce over (inside ``shard_map``), or ``()``.
+    vma_on: whether ``shard_map`` tracks varying types (else every buffer
+      is summed over every axis); default: read from the axes.
+    extra: more per-replica scalars to sum in the same collective round.
+    plan: with ``axes``, how to reduce each buffer (see
+      :func:`psum_window`; FSDP buffers are reduce-scattered).
+    what: how to name the caller in errors.
+    when: a traced bool (``mean=False``, no ``axes``): read the sums'
+      finiteness only where it is true (see :func:`gated_marks`); the
+      result is meaningful only there.
+
+  Returns:
+    ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps
+    ``state``'s varying type, so it may be a ``lax.scan`` carry.
+
+  Raises:
+    WeightedAccumulationError: with ``axes``, for a loss scale varying over
+      them.
+  """
+  keep_empty = mean if keep_empty is None else keep_empty
+  if when is not None and (mean or axes):
+    raise ValueError("finish(when=...) takes mean=False and no axes")
+  sums = state.grads
+  scalars = {k: getattr(state, k) for k in base.named(base.SUMMED)}
+  scalars.update(extra or {})
+  if axes:
+    vma_on = tree_utils.vma_checked(axes) if vma_on is None else vma_on
+    if vma_on:
+      _check_scale_shared(state.loss_scale, axes, what)
+    sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on, plan=plan)
+  # In the tally's dtype: float32, or float64 for a float64 work dtype.
+  weight = jnp.asarray(scalars["weight_hi"]) + jnp.asarray(scalars["weight_lo"])
+  out = result(
+    sums,
+    weight,
+    state.loss_scale,
+    scalars["issued"],
+    mean=mean,
+    require_weight=keep_empty,
+    when=when,
+  )
+  keep = ~(weight > 0) if keep_empty else None
+  if callable(next_loss_scale):  # a dynamic scale, from this window's result
+    next_loss_scale = next_loss_scale(out)
+  new_state = next_window(state, next_loss_scale, keep=keep)
+  if axes:
+    new_state = jax.tree.map(
+      lambda r, s: tree_utils.vary_like(r, s, axes), new_state, state
+    )
+  return out, new_state, {k: scalars[k] for k in extra or {}}
+
+
+def reduce_finished(
+  out: AccumulatedGradients, axes: Axes, *, what: str = "reduce_sums"
+) -> AccumulatedGradients:
+  """The global mean from one replica's ``finish(state, mean=False)``
+  result: the same collective round and division as ``finish`` with
+  ``axes`` and ``mean=True`` (no state to reset)."""
+  vma_on = tree_utils.vma_checked(axes)
+  if vma_on:
+    _check_scale_shared(out.loss_scale, axes, what)
+  local = {"weight_hi": out.weight, "weight_lo": jnp.zeros_like(out.weight)}
+  sums, scalars = psum_window(
+    out.grads, dict(local, issued=out.issued), axes, vma_on=vma_on
+  )
+  return result(
+    sums,
+    scalars["weight_hi"] + scalars["weight_lo"],
+    jnp.asarray(out.loss_scale),
+    scalars["issued"],
+    mean=True,
+    require_weight=True,
+  )
+
+
+# ---------------------------------------------------------------- close --
+
+
+def close(
+  state: AccumState,
+  operands: Any,
+  apply: Callable[[Any, Any], Any],
+  skip: Callable[[Any, Any], Any],
+  *,
+  next_loss_scale: Any = None,
+  mean: bool = True,
+  axes: Axes = (),
+  when: jax.Array | None = None,
+) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
+  """The close kernel of :func:`apply_window` and of the optax wrapper,
+  generic in what it applies.
+
+  The window's sums, weight and finiteness come from :func:`finish` (read in
+  place, before anything else); then one ``lax.cond`` on the window's
+  validity runs either ``apply(mean, operands)`` (handed the window's mean
+  gradient in at least float32, divided inside the branch so that XLA fuses
+  the division into the optimizer's loops; with ``mean=False`` the window's
+  sum, divided by the loss scale only) or ``skip(sums, operands)`` (an
+  invalid window: nothing advances).
+
+  Args:
+    state: the window to close (per replica when ``axes`` are given).
+    operands: what ``apply`` and ``skip`` transform (e.g. params and the
+      optimizer state); passed through the conditional.
+    apply: ``(mean_grads, operands) -> result`` for a valid window.
+    skip: ``(sums, operands) -> result`` (same structure) for an invalid
+      one; ``sums`` are the pending buffers.
+    next_loss_scale: as for :func:`finish`.
+    mean: hand ``apply`` the weighted mean (``True``) or the weighted sum.
+    axes: the data axes to reduce the window over (inside ``shard_map``).
+    when: a traced bool, for a step that closes the window only sometimes
+      (the optax wrapper): where false nothing is read and ``skip`` runs;
+      ``out`` and ``new_state`` are meaningful only where it is true. One
+      conditional either way (its predicate is ``when & valid``).
+
+  Returns:
+    ``(result, zero, new_state, out)``. ``zero`` is a 0 of the weight's
+    dtype computed by the conditional: filling the next window's buffers
+    from it orders that write after every read of the old buffers, so XLA
+    reuses them in place (fresh zeros, with no such dependence, make it copy
+    the donated buffers first). ``new_state`` is the next window (a window
+    of zero total weight keeps its counters; its buffers are zero); ``out``
+    describes the closed window, with ``grads=None``.
+  """
+  out, new_state, _ = finish(
+    state,
+    mean=False,
+    keep_empty=True,
+    next_loss_scale=next_loss_scale,
+    axes=axes,
+    when=when,
+  )
+  zero_dtype = out.weight.dtype
+
+  def valid_branch(sums, operands):
+    divisor = out.weight if mean else jnp.ones((), zero_dtype)
+    # A valid window has a usable loss scale and a positive finite weight.
+    grads = divide(sums, out.loss_scale, divisor, wide=True, usable=True)
+    return apply(grads, operands), jnp.zeros((), zero_dtype)
+
+  def invalid_branch(sums, operands):
+    # 0 as well (the weight is finite and non-negative), but not a constant
+    # that XLA could forward out of the conditional.
+    return skip(sums, operands), jnp.minimum(out.weight, 0)
+
+  pred = out.valid if when is None else when & out.valid
+  res, zero = lax.cond(pred, valid_branch, invalid_branch, out.grads, operands)
+  return res, zero, new_state, out.replace(grads=None)
+
+
+def refill(state: AccumState, zero: jax.Array) -> AccumState:
+  """``state`` with every buffer filled from ``zero`` (see :func:`close`)."""
+  return state.replace(
+    grads=jax.tree.map(lambda b: tree_utils.fill_like(b, zero), state.grads)
+  )

@@ -1,0 +1,348 @@
+"""The arguments of an in-step microbatched call, by role.
+
+``microbatched_value_and_grad`` gives each argument of ``loss_fn`` one role:
+differentiated (``argnums``: its floating array leaves only, so an Equinox
+module's static half stays fixed, as with ``eqx.filter_value_and_grad``),
+split into microbatches (``batch_argnums`` / ``batch_argnames``, along
+``in_axes``, strided or contiguous), threaded from one microbatch to the next
+(``state_argnums``), a random key folded with each microbatch's index
+(``key_argnums``), or passed unchanged (any value: strings, functions, an
+Equinox model's static half). This module checks the roles, splits one
+call's batch and builds each microbatch's arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.errors import WeightedAccumulationError
+
+
+class Roles(NamedTuple):
+  """The validated argument roles and split of one microbatched function."""
+
+  argnums: tuple[int, ...]
+  single: bool  # argnums was an int: the grads are that argument's tree
+  batch_argnums: tuple[int, ...]
+  batch_argnames: tuple[str, ...]
+  in_axes: tuple[int, ...]  # one per batch argument, positional then keyword
+  state_argnums: tuple[int, ...]
+  single_state: bool
+  key_argnums: tuple[int, ...]
+  split: str
+  split_named: bool  # split= was given (required with num_real_microbatches)
+  num_microbatches: int | None
+  microbatch_size: int | None
+
+
+def _count(x: Any, what: str, hint: str) -> int | None:
+  if x is None:
+    return None
+  return validation.static_int(x, what=what, hint=hint)
+
+
+def configure(what: str, **kw: Any) -> Roles:
+  """Validates the roles (each named in its error) and their disjointness."""
+  k = _count(
+    kw["num_microbatches"],
+    f"{what}(num_microbatches=...)",
+    "The loop length is static; pass num_real_microbatches to run fewer "
+    "without recompiling.",
+  )
+  size = _count(kw["microbatch_size"], f"{what}(microbatch_size=...)", "")
+  if (k is None) == (size is None):
+    raise WeightedAccumulationError(
+      f"{what}: pass exactly one of num_microbatches (K, the loop length) "
+      "and microbatch_size (the rows per microbatch; K = batch size / it)."
+    )
+  names = validation.argnames(
+    kw["batch_argnames"], what=what, name="batch_argnames"
+  )
+  batch = kw["batch_argnums"]
+  if batch is None:  # the default: argument 1, unless keyword batches given
+    batch = () if names else 1
+  num = lambda name: validation.optional_argnums(
+    kw[name] if name != "batch_argnums" else batch, what=what, name=name
+  )
+  roles = {
+    name: num(name)
+    for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums")
+  }
+  if not roles["argnums"]:
+    raise WeightedAccumulationError(
+      f"{what}(argnums=()): nothing to differentiate; pass the params' "
+      "positional index."
+    )
+  if not roles["batch_argnums"] and not names:
+    raise WeightedAccumulationError(
+      f"{what}: no batch argument to split; pass batch_argnums or "
+      "batch_argnames."
+    )
+  _check_disjoint(what, roles)
+  split = kw["split"]
+  return Roles(
+    single=isinstance(kw["argnums"], (int, np.integer)),
+    batch_argnames=names,
+    in_axes=validation.in_axes(
+      kw["in_axes"], len(roles["batch_argnums"]) + len(names), what=what
+    ),
+    single_state=isinstance(kw["state_argnums"], (int, np.integer)),
+    split=validation.split(
+      "strided" if split is None else split, what=f"{what}(split=...)"
+    ),
+    split_named=split is not None,
+    num_microbatches=k,
+    microbatch_size=size,
+    **roles,
+  )
+
+
+def _check_disjoint(what: str, roles: dict[str, tuple[int, ...]]) -> None:
+  seen: dict[int, str] = {}
+  for name, nums in roles.items():
+    for n in nums:
+      if n in seen:
+        raise WeightedAccumulationError(
+          f"{what}: argument {n} is in both {seen[n]} and {name}; each "
+          "argument has one role (differentiated, split, threaded state or "
+          "random key)."
+        )
+      seen[n] = name
+
+
+# ------------------------------------------------------------ one call --
+
+
+class Diff(NamedTuple):
+  """A differentiated argument: its structure, which leaves are
+  differentiated (floating arrays) and all its leaves."""
+
+  treedef: Any
+  mask: tuple[bool, ...]
+  leaves: tuple[Any, ...]
+
+
+class Batch(NamedTuple):
+  """A split batch argument: where it goes, its leaves reshaped so that
+  microbatch ``i`` is index ``i`` along each leaf's ``take`` axis."""
+
+  kind: str  # "arg" or "kw"
+  where: Any  # positional index or keyword name
+  treedef: Any
+  leaves: tuple[Any, ...]
+  take: tuple[int, ...]
+
+
+class Call(NamedTuple):
+  """One call's arguments, checked and split."""
+
+  args: tuple
+  kwargs: dict
+  k: int
+  batch: tuple[Batch, ...]
+  diffs: tuple[Diff, ...]
+
+
+def differentiable(x: Any) -> bool:
+  """A floating array leaf (JAX or NumPy), as ``eqx.is_inexact_array``
+  without complex numbers: what is differentiated; other leaves (ints,
+  bools, Python numbers, strings, functions) are held fixed."""
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return False
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _diff(what: str, n: int, x: Any) -> Diff:
+  leaves, treedef = jax.tree.flatten(x)
+  mask = tuple(differentiable(v) for v in leaves)
+  if not any(mask):
+    raise WeightedAccumulationError(
+      f"{what}: argument {n} (argnums) has no floating array leaf to "
+      f"differentiate (got {type(x).__name__}). Pass the params as arrays, "
+      "e.g. jnp.asarray(1.0) for a scalar."
+    )
+  return Diff(treedef, mask, tuple(leaves))
+
+
+def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
+  for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums"):
+    nums = getattr(roles, name)
+    if nums and max(nums) >= len(args):
+      raise WeightedAccumulationError(
+        f"{what}: {name} {nums} but the function was called with "
+        f"{len(args)} positional argument(s). Pass the params at argnums "
+        "and the batch at batch_argnums (or by keyword, batch_argnames)."
+      )
+  missing = [n for n in roles.batch_argnames if n not in kwargs]
+  if missing:
+    raise WeightedAccumulationError(
+      f"{what}: batch_argnames names {missing[0]!r}, but the call has no "
+      f"such keyword argument (got {sorted(kwargs)})."
+    )
+
+
+def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
+  """``(path, leaf, axis, size)`` of every batch leaf, the axis made
+  non-negative."""
+  out = []
+  for (kind, where, tree), ax in zip(trees, roles.in_axes):
+    name = f"batch argument {where!r}" if kind == "kw" else f"argument {where}"
+    for path, x in tree_utils.flat(tree):
+      nd = np.ndim(x)
+      a = ax + nd if ax < 0 else ax
+      if not 0 <= a < nd:
+        raise WeightedAccumulationError(
+          f"{what}: {name} leaf {path} has shape {np.shape(x)}, with no "
+          f"batch axis {ax} (in_axes); every batch leaf needs one (pass "
+          "other values as another argument)."
+        )
+      out.append((f"{name} leaf {path}", x, a, np.shape(x)[a]))
+  return out
+
+
+def num_microbatches(what: str, roles: Roles, sizes: list) -> int:
+  b = sizes[0][3] if sizes else 0
+  k = roles.num_microbatches
+  if roles.microbatch_size is not None:
+    k = max(b // roles.microbatch_size, 1)
+  for name, _, _, size in sizes:
+    if (
+      size != b
+      or size % k
+      or (roles.microbatch_size and size != k * roles.microbatch_size)
+    ):
+      count = (
+        f"microbatch_size={roles.microbatch_size}"
+        if roles.microbatch_size
+        else f"num_microbatches={k}"
+      )
+      raise WeightedAccumulationError(
+        f"{what}: {name} has {size} rows; every batch leaf needs the same "
+        f"size along its batch axis, divisible by {count} (first leaf: {b} "
+        "rows). Pad the batch (with zero weight) to a multiple of it."
+      )
+  return k
+
+
+def _reshape(x: Any, a: int, k: int, split: str) -> tuple[Any, int]:
+  """``x`` with batch axis ``a`` split in two, and the axis indexing the
+  microbatch: strided ``(B/K, K)`` (microbatch i = rows i::K) or contiguous
+  ``(K, B/K)`` (microbatch i = rows [i*B/K, (i+1)*B/K))."""
+  shape = np.shape(x)
+  b = shape[a]
+  two = (b // k, k) if split == "strided" else (k, b // k)
+  y = jnp.reshape(x, shape[:a] + two + shape[a + 1 :])
+  return y, a + 1 if split == "strided" else a
+
+
+def _batch_trees(roles: Roles, args: tuple, kwargs: dict) -> list:
+  trees = [("arg", n, args[n]) for n in roles.batch_argnums]
+  return trees + [("kw", n, kwargs[n]) for n in roles.batch_argnames]
+
+
+def batch_leaves(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
+  """``(name, leaf, axis, size)`` of every batch leaf of one call, checked
+  against the roles (each leaf has its batch axis)."""
+  _check_indices(what, roles, args, kwargs)
+  return _batch_sizes(what, roles, _batch_trees(roles, args, kwargs))
+
+
+def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
+  """Checks one call's arguments against the roles and splits its batch."""
+  sizes = batch_leaves(what, roles, args, kwargs)
+  trees = _batch_trees(roles, args, kwargs)
+  k = num_microbatches(what, roles, sizes)
+  batch, pos = [], 0
+  for kind, where, tree in trees:
+    leaves, treedef = jax.tree.flatten(tree)
+    split = [
+      _reshape(x, s[2], k, roles.split)
+      for x, s in zip(leaves, sizes[pos : pos + len(leaves)])
+    ]
+    pos += len(leaves)
+    batch.append(
+      Batch(
+        kind,
+        where,
+        treedef,
+        tuple(y for y, _ in split),
+        tuple(t for _, t in split),
+      )
+    )
+  for n in roles.key_argnums:
+    for path, key in tree_utils.flat(args[n]):
+      validation.random_key(key, what=f"{what}: argument {n} {path}")
+  diffs = tuple(_diff(what, n, args[n]) for n in roles.argnums)
+  return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs)
+
+
+# ----------------------------------------------------- one microbatch --
+
+
+def diff_values(call: Call) -> tuple[list[Any], ...]:
+  """What is differentiated: each differentiated argument's floating leaves."""
+  return tuple([x for x, m in zip(d.leaves, d.mask) if m] for d in call.diffs)
+
+
+def as_params(call: Call, values: tuple[list[Any], ...], roles: Roles) -> Any:
+  """``values`` (shaped like :func:`diff_values`: the params, or their
+  grads) in the params' structure, ``None`` where a leaf is held fixed (as
+  ``eqx.filter(model, eqx.is_inexact_array)``); one tree for an int
+  ``argnums``, else a tuple."""
+  trees = []
+  for d, vals in zip(call.diffs, values):
+    it = iter(vals)
+    trees.append(
+      jax.tree.unflatten(d.treedef, [next(it) if m else None for m in d.mask])
+    )
+  return trees[0] if roles.single else tuple(trees)
+
+
+def _combine(d: Diff, vals: list[Any]) -> Any:
+  it = iter(vals)
+  return jax.tree.unflatten(
+    d.treedef, [next(it) if m else x for x, m in zip(d.leaves, d.mask)]
+  )
+
+
+def states(call: Call, roles: Roles) -> tuple[Any, ...]:
+  """The threaded arguments' values at the call."""
+  return tuple(call.args[n] for n in roles.state_argnums)
+
+
+def microbatch(
+  call: Call,
+  roles: Roles,
+  i: Any,
+  values: tuple[list[Any], ...],
+  threaded: tuple[Any, ...],
+) -> tuple[list[Any], dict]:
+  """The arguments of microbatch ``i``: its rows of each batch argument,
+  each random key folded with ``i``, the threaded states as they stand and
+  the differentiated arguments rebuilt from ``values``."""
+  args, kwargs = list(call.args), dict(call.kwargs)
+  for b in call.batch:
+    rows = [
+      jax.lax.dynamic_index_in_dim(x, i, t, keepdims=False)
+      for x, t in zip(b.leaves, b.take)
+    ]
+    tree = jax.tree.unflatten(b.treedef, rows)
+    if b.kind == "arg":
+      args[b.where] = tree
+    else:
+      kwargs[b.where] = tree
+  for n in roles.key_argnums:
+    args[n] = jax.tree.map(lambda key: jax.random.fold_in(key, i), args[n])
+  for n, s in zip(roles.state_argnums, threaded):
+    # Rebuilt here, in the trace that runs loss_fn: an NNX state's Variables
+    # may then be mutated by it (flax refuses mutating one of an outer trace).
+    args[n] = jax.tree.map(lambda x: x, s)
+  for n, d, vals in zip(roles.argnums, call.diffs, values):
+    args[n] = _combine(d, vals)
+  return args, kwargs

@@ -1,0 +1,253 @@
+"""Loss terms of in-step microbatching: what ``loss_fn`` returned on one
+microbatch (one loss, or a dict of terms, each with its weight), the windows
+the terms are added into, and their close.
+
+A term is normalised by its own total weight over the microbatches, unless
+its normaliser is given before the loop (``normalizers=``): every such term
+is divided by it inside the loop and, with ``mode="sum"``, they share one
+window, whose buffer is then a plain sum (one backward pass, no second
+buffer); with ``mode="mean"`` each keeps a window of its own (a fully
+masked term's 0/0 mean stays out of the others'). Every other term
+takes a window of its own (one more buffer and backward pass each), closed
+on the one finish path with the others; the gradient is that of the sum of
+the terms' means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core import window
+from weighted_accum._src.core.base import AccumulatedGradients
+from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.in_step import microbatch_args as margs
+
+_F32 = jnp.float32
+_WHAT = "microbatched_value_and_grad"
+
+
+class Eval(NamedTuple):
+  """``loss_fn`` on one microbatch: its loss terms and weights by name
+  (``None`` for a single loss), its aux and the threaded states."""
+
+  terms: dict
+  weights: dict
+  aux: Any
+  states: tuple
+
+
+class Group(NamedTuple):
+  """Terms added into one window: one term normalised by its own total
+  weight (``known=False``), or every term whose normaliser is given."""
+
+  terms: tuple
+  known: bool
+
+
+# -------------------------------------------------------- one microbatch --
+
+
+def unpack(cfg: Any, res: Any) -> tuple[Any, Any, Any, tuple]:
+  """``loss_fn``'s result as ``(loss, weight, aux, states)``."""
+  roles = cfg.roles
+  states: tuple = ()
+  want = "((loss, weight), aux)" if cfg.has_aux else "(loss, weight)"
+  try:
+    if roles.state_argnums:
+      want = f"({want}, new_state)"
+      res, new = res
+      states = (new,) if roles.single_state else tuple(new)
+      if len(states) != len(roles.state_argnums):
+        raise ValueError
+    (loss, weight), aux = res if cfg.has_aux else (res, None)
+  except (TypeError, ValueError):
+    raise WeightedAccumulationError(
+      f"{_WHAT}(loss_fn): it returned {type(res).__name__} "
+      f"{jax.tree.structure(res)}; with has_aux={cfg.has_aux} and "
+      f"state_argnums={roles.state_argnums} it must return {want}, where "
+      "weight is the microbatch's item count (e.g. mask.sum())."
+    ) from None
+  return loss, weight, aux, states
+
+
+def _scalar(x: Any, kind: str, name: Any, floating: bool) -> jax.Array:
+  x = jnp.asarray(x)
+  bad = x.ndim or (floating and not jnp.issubdtype(x.dtype, jnp.floating))
+  if bad:
+    term = "" if name is None else f" of term {name!r}"
+    raise WeightedAccumulationError(
+      f"{_WHAT}(loss_fn): the {kind}{term} is {jax.typeof(x)}, expected "
+      + (
+        "a floating scalar."
+        if floating
+        else "a scalar (the microbatch's item count, e.g. mask.sum())."
+      )
+    )
+  return x
+
+
+def evaluate(cfg: Any, args: list, kwargs: dict) -> Eval:
+  loss, weight, aux, states = unpack(cfg, cfg.loss_fn(*args, **kwargs))
+  if isinstance(loss, Mapping):
+    terms = dict(loss)
+    if not isinstance(weight, Mapping):
+      weight = {t: weight for t in terms}
+    elif set(weight) != set(terms):
+      raise WeightedAccumulationError(
+        f"{_WHAT}(loss_fn): the weights' keys {sorted(map(str, weight))} "
+        f"differ from the loss terms' {sorted(map(str, terms))}; give each "
+        "term its weight (1.0 per microbatch: averaged over microbatches)."
+      )
+  else:
+    terms, weight = {None: loss}, {None: weight}
+  terms = {t: _scalar(v, "loss", t, True) for t, v in terms.items()}
+  weights = {
+    t: jax.lax.stop_gradient(_scalar(v, "weight", t, False))
+    for t, v in weight.items()
+  }
+  return Eval(terms, weights, aux, states)
+
+
+def groups(names: list, norms: dict, mode: str) -> tuple[Group, ...]:
+  """The windows: one per term of unknown normaliser; the known ones share
+  one window with ``mode="sum"``. With ``mode="mean"`` each known term
+  keeps its own: a fully masked term's mean is 0/0, whose NaN gradient
+  only a window of its own (weight 0 there) keeps out of the sum."""
+  known = tuple(t for t in names if t in norms)
+  own = tuple(Group((t,), False) for t in names if t not in norms)
+  if mode == "mean":
+    return own + tuple(Group((t,), True) for t in known)
+  return own + ((Group(known, True),) if known else ())
+
+
+def part(cfg: Any, ev: Eval, t: Any, dtype: Any = _F32) -> jax.Array:
+  """A term's loss SUM over the microbatch, in ``dtype``."""
+  loss, w = ev.terms[t].astype(dtype), ev.weights[t].astype(dtype)
+  if cfg.mode == "sum":
+    return loss
+  return jnp.where(w > 0, loss * w, 0.0)
+
+
+def presence(ev: Eval, terms: tuple) -> jax.Array:
+  """A known-normaliser window's weight: 1 for a microbatch where a term has
+  weight, 0 for one where none has (it adds nothing, even NaN), NaN when a
+  weight is invalid (the microbatch is rejected, as a bad weight is)."""
+  ws = [
+    validation.weight(ev.weights[t], what=f"{_WHAT}(loss_fn) weight of {t!r}")
+    for t in terms
+  ]
+  bad = jnp.any(jnp.stack([~jnp.asarray(w.ok) for w in ws]))
+  present = jnp.any(jnp.stack([jnp.asarray(w.ok) & (w.hi > 0) for w in ws]))
+  return jnp.where(bad, jnp.nan, jnp.where(present, 1.0, 0.0))
+
+
+# ---------------------------------------------------------------- closing --
+
+
+class _Closed(NamedTuple):
+  """Every window closed: their results, and the (global) per-term loss
+  sums and weights and per-window rejection counts."""
+
+  outs: list
+  sums: dict
+  rejected: list
+
+
+def _finish_all(cfg: Any, carry: Any) -> _Closed:
+  """Each window closed on the one finish path; with ``axis_name`` the
+  first close's collective round also carries every term's loss sum and
+  weight and every window's rejection count."""
+  names = list(carry.sums)
+  extra = {f"loss{j}": carry.sums[t][0] for j, t in enumerate(names)}
+  extra |= {f"weight{j}": carry.sums[t][1] for j, t in enumerate(names)}
+  extra |= {
+    f"rejected{j}": st.rejected.astype(_F32)
+    for j, st in enumerate(carry.states)
+  }
+  outs, ex = [], {}
+  for j, st in enumerate(carry.states):
+    out, _, got = window.finish(
+      st,
+      mean=True,
+      axes=cfg.axis_name or (),
+      extra=extra if j == 0 else None,
+      plan=None if cfg.spmd is None else cfg.spmd.plan,
+      what=_WHAT,
+    )
+    outs.append(out)
+    ex = ex or got
+  sums = {t: (ex[f"loss{j}"], ex[f"weight{j}"]) for j, t in enumerate(names)}
+  rejected = [ex[f"rejected{j}"] for j in range(len(outs))]
+  return _Closed(outs, sums, rejected)
+
+
+def _cast_grads(cfg: Any, call: margs.Call, grads: Any) -> Any:
+  """The gradients in the work dtype, each param's dtype, or the one asked."""
+  if cfg.grads_dtype is None:
+    return jax.tree.map(lambda g: g.astype(cfg.dtype), grads)
+  if cfg.grads_dtype == "params":
+    params = margs.as_params(call, margs.diff_values(call), cfg.roles)
+    return jax.tree.map(
+      lambda g, p: g.astype(jnp.result_type(p)), grads, params
+    )
+  return jax.tree.map(lambda g: g.astype(cfg.grads_dtype), grads)
+
+
+def _all(flags: list) -> jax.Array:
+  out = jnp.bool_(True)
+  for f in flags:
+    out = out & f
+  return out
+
+
+def _wide(x: jax.Array) -> jax.Array:
+  return x.astype(numerics.compute_dtype(x.dtype))
+
+
+def _mean_grads(groups: tuple, outs: list) -> Any:
+  """The windows' means summed, in the compute dtype; a known-normaliser
+  window's mean is multiplied back by its microbatch count (its terms were
+  divided by their normalisers already)."""
+  parts = [
+    jax.tree.map(_wide, o.grads)
+    if not g.known
+    else jax.tree.map(lambda x, k=o.weight: _wide(x) * k, o.grads)
+    for g, o in zip(groups, outs)
+  ]
+  return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)
+
+
+def conclude(cfg, call, groups, norms, carry: Any):
+  """The exact loss (one per term for a dict of terms) and the gradient of
+  their sum, with flags over every window."""
+  c = _finish_all(cfg, carry)
+  own = {g.terms[0]: o for g, o in zip(groups, c.outs) if not g.known}
+  weight, loss = {}, {}
+  for t, (loss_sum, w_sum) in c.sums.items():
+    weight[t] = own[t].weight if t in own else w_sum
+    loss[t] = (
+      loss_sum / norms[t]
+      if t in norms
+      else jnp.where(weight[t] > 0, loss_sum / weight[t], 0.0)
+    )
+  finite = _all([o.finite for o in c.outs])
+  finite = finite & _all([jnp.isfinite(s) for s, _ in c.sums.values()])
+  valid = finite & _all([o.valid for o in c.outs])
+  valid = valid & _all([r == 0 for r in c.rejected])
+  valid = valid & _all([jnp.isfinite(v) for v in norms.values()])
+  single = list(loss) == [None]
+  out = AccumulatedGradients(
+    grads=_cast_grads(cfg, call, _mean_grads(groups, c.outs)),
+    weight=weight[None] if single else weight,
+    loss_scale=c.outs[0].loss_scale,
+    issued=c.outs[0].issued,
+    finite=finite,
+    valid=valid,
+  )
+  return (loss[None] if single else loss), out

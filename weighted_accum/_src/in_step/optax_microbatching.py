@@ -1,0 +1,147 @@
+"""``optax_accumulator``: the exact weighting of in-step microbatching as an
+``optax.microbatching.Accumulator``, for ``optax.microbatching.microbatch``,
+``micro_vmap`` and ``micro_grad``. Its carry is an ``AccumState`` filled on
+the one accumulate path and closed on the one close path. Why MEAN is biased
+on padded data: ``docs/microbatching.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import accumulation
+from weighted_accum._src.core import window
+from weighted_accum._src.errors import WeightedAccumulationError
+
+_F32 = jnp.float32
+
+
+class _Folded(NamedTuple):
+  """``aggregate``'s output: per-example values folded into one value of the
+  form ``((mean_loss, total_weight), mean_grads)`` (a pair, so it unpacks as
+  the result does; ``update`` adds it as a mean-loss microbatch)."""
+
+  value: Any
+  grads: Any
+
+
+def _unpack_value(value: Any) -> tuple[Any, Any, Any]:
+  try:
+    (loss, weight), grads = value
+  except (TypeError, ValueError):
+    raise WeightedAccumulationError(
+      "optax_accumulator: each microbatch's value must be ((loss, weight), "
+      "grads), as returned by jax.value_and_grad(loss_fn, has_aux=True) "
+      f"with loss_fn returning (loss, weight); got {type(value).__name__}."
+    ) from None
+  return loss, weight, grads
+
+
+def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
+  """An exact weighted ``optax.microbatching.Accumulator``.
+
+  A drop-in for ``accumulator=AccumulationType.MEAN`` in
+  ``optax.microbatching.microbatch`` / ``micro_vmap`` / ``micro_grad``: the
+  microbatched function returns ``((loss, weight), grads)``
+  (``jax.value_and_grad(loss_fn, has_aux=True)`` of a ``loss_fn`` returning
+  ``(loss, weight)``), and the result is ``((mean_loss, total_weight),
+  mean_grads)``, the exact full-batch values, where MEAN divides by the
+  microbatch count (equal weights whatever each microbatch's item count).
+  The carry is an :class:`~weighted_accum.AccumState`:
+  ``accumulate_sum``/``accumulate_mean`` add, one finish divides. Its
+  ``aggregate`` (what ``micro_vmap`` calls on per-example values, alone when
+  ``microbatch_size=None``) returns the same exact mean.
+
+  Examples of weight 0 or microbatches of weight 0 add nothing (even NaN). A
+  negative, NaN or infinite weight cannot raise inside optax's loop: it
+  makes the result's loss, total weight and grads NaN (refused, never
+  silently dropped), which a finiteness check such as
+  ``optax.apply_if_finite`` catches.
+
+  Args:
+    mode: required. ``"sum"`` when ``loss`` is the microbatch's loss SUM,
+      ``"mean"`` when it is the SUM divided by ``weight``.
+    dtype: the gradient buffers' work dtype.
+
+  Returns:
+    An ``optax.microbatching.Accumulator``.
+
+  Raises:
+    WeightedAccumulationError: for an unknown mode, a non-floating dtype, or
+      a value that is not ``((loss, weight), grads)``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import weighted_accum as wa
+    >>> def loss_fn(w, x, mask):          # a per-microbatch masked mean
+    ...   n = mask.sum()
+    ...   return jnp.sum(mask * (x * w) ** 2) / jnp.maximum(n, 1), n
+    >>> x = jnp.arange(8.0)
+    >>> mask = jnp.array([1., 1, 1, 1, 1, 1, 0, 0])
+    >>> f = optax.microbatching.microbatch(
+    ...     jax.value_and_grad(loss_fn, has_aux=True), argnums=(1, 2),
+    ...     microbatch_size=2, accumulator=wa.optax_accumulator('mean'))
+    >>> (loss, weight), grads = f(1.0, x, mask)
+    >>> float(loss), float(weight), float(grads)   # (0+1+4+9+16+25) / 6
+    (9.166666984558105, 6.0, 18.33333396911621)
+  """
+  from optax import microbatching  # pylint: disable=g-import-not-at-top
+
+  what = "optax_accumulator"
+  mean = validation.mode(mode, what=f"{what}(mode=...)") == "mean"
+  dt = validation.work_dtype(dtype, what=f"{what}(dtype=...)")
+
+  def init(value):
+    _, _, grads = _unpack_value(value)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
+    return accumulation.init(zeros, dt), jnp.zeros((), _F32)
+
+  def update(carry, value, _):
+    st, loss_sum = carry
+    folded = isinstance(value, _Folded)
+    loss, weight, grads = _unpack_value(value)
+    as_mean = mean or folded
+    new = accumulation.add(st, grads, weight, mean=as_mean, name=what)
+    wt = validation.weight(
+      weight, what=f"{what}: the weight", tally=st.weight_hi.dtype
+    )
+    w = (jnp.asarray(wt.hi) + jnp.asarray(wt.lo)).astype(_F32)
+    part = jnp.asarray(loss, _F32) * (w if as_mean else 1.0)
+    took = (new.rejected == st.rejected) & (w > 0)
+    return new, loss_sum + jnp.where(took, part, 0.0)
+
+  def finalize(carry):
+    st, loss_sum = carry
+    out, _, _ = window.finish(st, mean=True, what=what)
+    loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
+    bad = st.rejected > 0
+    nan = lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
+    grads = jax.tree.map(nan, out.grads)
+    return (nan(loss), nan(out.weight)), grads
+
+  def aggregate(values):
+    """Per-example values (leading axis) folded on the same paths: each
+    example added by ``update`` (its weight validated, the exact tally),
+    one finish; what ``micro_vmap`` returns without ``microbatch_size``."""
+    _unpack_value(values)
+    n = jax.tree.leaves(values)[0].shape[0]
+    one = lambda i: jax.tree.map(lambda x: x[i], values)
+
+    def body(i, carry):
+      return update(carry, one(i), None)
+
+    (loss, weight), grads = finalize(
+      jax.lax.fori_loop(0, n, body, init(one(0)))
+    )
+    return _Folded((loss, weight), grads)
+
+  return microbatching.Accumulator(
+    init=init,
+    update=update,
+    finalize=finalize,
+    aggregate=aggregate,
+  )

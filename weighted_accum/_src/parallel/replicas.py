@@ -1,0 +1,299 @@
+"""Per-replica windows carried between jitted steps.
+
+A stacked window is an :class:`AccumState` whose per-replica fields (the
+buffers, the weight pair, the counts) carry a leading replica axis of size N
+sharded over the data axes; ``windows`` and ``loss_scale`` stay shared
+scalars. Its leaves are ordinary global arrays, so a jitted step returns it
+and takes it back (donated, host-readable), while replica ``r``'s slice is
+its own per-replica window, never reduced mid-window.
+
+- :func:`init` builds one outside ``shard_map`` (``distributed.init``);
+- inside ``shard_map`` over the data axes each replica holds a block
+  ``[1, ...]`` of it (:func:`specs` are the specs to pass it with):
+  :func:`unstack` and :func:`stack` convert between the block and the
+  per-replica window the ``axis_name`` paths take;
+- under plain ``jit``, :func:`to_global` reduces it once (one collective
+  round, the exact weight pair included) into a global window for the one
+  close path, and :func:`next_window` is the stacked window after it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import base
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core import window
+from weighted_accum._src.core.base import AccumState
+from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.parallel import spmd_layout as layout_
+
+Axes = tuple[str, ...]
+
+#: The per-replica fields, stacked on a leading replica axis.
+COUNTS = base.named(base.SUMMED) + base.named(base.LOCAL)
+PER_REPLICA = ("grads",) + COUNTS
+
+
+def is_stacked(state: AccumState) -> bool:
+  """Whether ``state`` is a stacked window (or a block of one)."""
+  return np.ndim(state.weight_hi) == 1
+
+
+def bound(axes: Axes) -> bool:
+  """Whether an enclosing ``shard_map`` made every one of ``axes`` manual."""
+  return set(axes) <= set(tree_utils.manual_axes())
+
+
+def specs(state: AccumState, axes: Axes) -> AccumState:
+  """The ``shard_map`` specs of a stacked window (a prefix tree):
+  ``P(axes)`` for the per-replica fields, ``P()`` for the shared ones."""
+  one = P(layout_.entry(axes))
+  fields = {
+    k: one if k in PER_REPLICA else P() for k in ("grads",) + base.NAMES
+  }
+  return AccumState(dtype=state.dtype, **fields)
+
+
+def check_block(state: AccumState, n: int, what: str) -> None:
+  for path, x in [("weight_hi", state.weight_hi)] + tree_utils.flat(
+    state.grads
+  ):
+    if np.ndim(x) < 1 or np.shape(x)[0] != n:
+      raise WeightedAccumulationError(
+        f"{what}(state): leaf {path} has shape {np.shape(x)}; a stacked "
+        f"per-replica window has a leading replica axis of {n} here. Start "
+        "it with weighted_accum.distributed.init(params, axis_name) outside "
+        "shard_map, and pass it into shard_map with "
+        "weighted_accum.distributed.window_specs(state, axis_name)."
+      )
+
+
+def unstack(block: AccumState, axes: Axes, what: str) -> AccumState:
+  """This replica's per-replica window from its block ``[1, ...]`` of a
+  stacked window (inside ``shard_map`` over ``axes``)."""
+  check_block(block, 1, what)
+  return block.replace(
+    **{k: jax.tree.map(lambda x: x[0], getattr(block, k)) for k in PER_REPLICA}
+  )
+
+
+def stack(state: AccumState, axes: Axes) -> AccumState:
+  """The block ``[1, ...]`` of a per-replica window (inverse of
+  :func:`unstack`)."""
+
+  def one(x):
+    return tree_utils.to_varying(x, axes)[None]
+
+  return state.replace(
+    **{k: jax.tree.map(one, getattr(state, k)) for k in PER_REPLICA}
+  )
+
+
+# ---------------------------------------------------------------- init --
+
+
+def _params_mesh(params: Any, axes: Axes, what: str) -> Any:
+  """A concrete mesh from a param's ``NamedSharding``, else the mesh of
+  the params' types or the context mesh."""
+  for x in jax.tree.leaves(params):
+    s = getattr(x, "sharding", None)
+    concrete = isinstance(s, NamedSharding) and not tree_utils.is_traced(x)
+    if concrete and all(a in s.mesh.axis_names for a in axes):
+      return s.mesh
+  return layout_.find_mesh(jax.tree.leaves(params), axes, what=what)
+
+
+def _rest(x: Any, axes: Axes, is_explicit: bool) -> tuple:
+  """The spec of a stacked leaf beyond its replica axis: its param's spec
+  without the data axes (each replica holds a full-size partial sum)."""
+  ndim = np.ndim(x)
+  s = getattr(x, "sharding", None)
+  if tree_utils.is_traced(x):
+    if is_explicit:
+      spec = tuple(jax.typeof(x).sharding.spec)
+    else:
+      return (P.UNCONSTRAINED,) * ndim
+  else:
+    spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
+  spec = spec + (None,) * (ndim - len(spec))
+  return tuple(layout_.without(spec, axes))
+
+
+def _stacked_zeros(x: Any, n: int, mesh: Any, axes: Axes, is_explicit: bool):
+  spec = P(layout_.entry(axes), *_rest(x, axes, is_explicit))
+  shape, dtype = (n,) + tuple(np.shape(x)), jnp.result_type(x)
+  if isinstance(mesh, jax.sharding.Mesh) and not tree_utils.is_traced(x):
+    return jnp.zeros(shape, dtype, device=NamedSharding(mesh, spec))
+  if is_explicit:
+    return jnp.zeros(shape, dtype, out_sharding=spec)
+  z = jnp.zeros(shape, dtype)
+  return jax.lax.with_sharding_constraint(z, NamedSharding(mesh, spec))
+
+
+def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
+  """The stacked window of ``state`` (a fresh ``wa.init`` window of
+  ``params``, its buffers on the params' shardings): zeros ``[N, ...]`` for
+  every per-replica field, sharded over ``axes`` on the replica axis and
+  like the param (without the data axes) on the others."""
+  mesh = _params_mesh(params, axes, what)
+  is_explicit = layout_.explicit(mesh, axes, what=what)
+  n = layout_.size(mesh, axes)
+
+  def zeros(x):
+    return _stacked_zeros(x, n, mesh, axes, is_explicit)
+
+  return state.replace(
+    grads=jax.tree.map(zeros, state.grads),
+    **{k: zeros(getattr(state, k)) for k in COUNTS},
+  )
+
+
+# ------------------------------------------------------ under plain jit --
+
+
+def mesh_of(state: AccumState, axes: Axes, what: str) -> Any:
+  """The mesh of a stacked window under plain ``jit`` (its types', or the
+  context mesh), checked to have the window's replica count."""
+  mesh = layout_.find_mesh([state.weight_hi], axes, what=what)
+  check_block(state, layout_.size(mesh, axes), what)
+  return mesh
+
+
+def to_global(
+  state: AccumState, axes: Axes, mesh: Any, leaves: tuple | None = None
+) -> AccumState:
+  """The global window of a stacked one, in one collective round (the
+  buffers, the exact weight pair and the counts; ``window.psum_window``)
+  inside a partial-manual ``shard_map`` over ``axes``. ``leaves``: the
+  params' layouts (``spmd_layout.Leaf``), whose FSDP buffers are
+  reduce-scattered onto the param's sharding; default: all psummed."""
+  n_leaves = len(jax.tree.leaves(state.grads))
+  leaves = leaves or (layout_.Leaf(None),) * n_leaves
+  plan = layout_.plan(leaves, axes, scattered=False)
+  treedef = jax.tree.structure(state.grads)
+  grad_specs = jax.tree.unflatten(
+    treedef, [layout_.grad_spec(e) for e in leaves]
+  )
+  out_specs = AccumState(
+    dtype=state.dtype, grads=grad_specs, **{k: P() for k in base.NAMES}
+  )
+
+  def body(block):
+    st = unstack(block, axes, "to_global")
+    scalars = {k: getattr(st, k) for k in COUNTS}
+    sums, tot = window.psum_window(
+      st.grads, scalars, axes, vma_on=True, plan=plan
+    )
+    counts = {k: tot[k].astype(scalars[k].dtype) for k in COUNTS}
+    return st.replace(grads=sums, **counts)
+
+  return jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(specs(state, axes),),
+    out_specs=out_specs,
+    axis_names=set(axes),
+  )(state)
+
+
+def next_window(stacked: AccumState, closed: AccumState) -> AccumState:
+  """The stacked window after ``stacked`` was closed as ``closed`` (the
+  global next window from the one close path): fresh zero buffers, the
+  per-replica counts reset, or kept where the close kept an empty window
+  (``windows`` unchanged), the shared counters ``closed``'s."""
+  kept = closed.windows == stacked.windows
+  counts = {
+    k: jnp.where(kept, getattr(stacked, k), jnp.zeros_like(getattr(stacked, k)))
+    for k in COUNTS
+  }
+  return stacked.replace(
+    grads=jax.tree.map(tree_utils.zeros_like, stacked.grads),
+    windows=closed.windows,
+    loss_scale=closed.loss_scale,
+    **counts,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
+  """``distributed.finish_mean`` of a stacked window under plain ``jit``:
+  one reduction (:func:`to_global`), the one finish path, the next
+  stacked window."""
+  mesh = mesh_of(state, axes, "distributed.finish_mean")
+  glob = to_global(state, axes, mesh)
+  out, closed, _ = window.finish(
+    glob, mean=True, next_loss_scale=next_loss_scale
+  )
+  return out, next_window(state, closed)
+
+
+def window_specs(state: AccumState, axis_name: str | Axes) -> AccumState:
+  """The ``jax.shard_map`` specs of a stacked per-replica window.
+
+  A window started by ``distributed.init`` outside ``shard_map`` carries
+  each per-replica field on a leading replica axis of size N sharded over
+  ``axis_name``: buffers ``[N, *param.shape]`` (each replica's full-size
+  partial sum, laid out like its param without the data axes), weight
+  pair and counts ``[N]``; ``windows`` and ``loss_scale`` stay shared
+  scalars. Its leaves are ordinary global arrays, so jitted steps return it
+  and take it back (donated), and no step reduces it before the close:
+  under plain ``jit`` add to it with ``f.accumulate`` of
+  ``microbatched_value_and_grad(..., data_axes=...)`` and close it with
+  ``wa.apply_window(..., axis_name=...)`` or ``distributed.finish_mean``
+  (one reduction per window, the exact weight included). Pass it into and
+  out of ``shard_map`` with these specs
+  (``P(axis_name)`` for the per-replica fields, ``P()`` for ``windows`` and
+  ``loss_scale``); inside, each replica holds its block, which
+  :func:`accumulate_sum`/:func:`accumulate_mean`, :func:`finish_mean`,
+  ``f.accumulate`` of :func:`weighted_accum.microbatched_value_and_grad`
+  and :func:`weighted_accum.apply_window` (with ``axis_name``) take and
+  return as such.
+
+  Args:
+    state: the stacked window (or its abstract shape).
+    axis_name: the data axis name, or a tuple of names.
+
+  Returns:
+    An :class:`~weighted_accum.AccumState` of ``PartitionSpec`` (a prefix
+    tree for ``in_specs``/``out_specs``).
+
+  Raises:
+    WeightedAccumulationError: for an invalid axis name or a state that is
+      not an ``AccumState``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from weighted_accum import distributed as dist
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+    >>> params = jax.device_put({'w': jnp.zeros(3)}, NamedSharding(mesh, P()))
+    >>> state = dist.init(params, 'data')          # outside shard_map
+    >>> state.grads['w'].shape == (mesh.size, 3), state.issued.shape == (
+    ...     mesh.size,)
+    (True, True)
+    >>> specs = dist.window_specs(state, 'data')
+    >>> specs.grads == P('data'), specs.weight_hi == P('data'), specs.windows
+    (True, True, P())
+  """
+  what = "distributed.window_specs"
+  axes = validation.axis_names(axis_name, what=what)
+  validation.instance(
+    state, AccumState, what=f"{what}(state)", hint="Pass the stacked window."
+  )
+  if not is_stacked(state):
+    raise WeightedAccumulationError(
+      f"{what}(state): this window is not stacked per replica (its counters "
+      "are scalars: a wa.init window); start it with distributed.init(params, "
+      f"{axis_name!r}) outside shard_map, or pass a wa.init window with "
+      "in_specs=P() (replicated)."
+    )
+  return specs(state, axes)

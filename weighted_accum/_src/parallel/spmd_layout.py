@@ -1,0 +1,142 @@
+"""The data axes of a mesh: where a mesh is found, the axis types, and how
+a param's ``PartitionSpec`` lays it over the data axes (FSDP).
+
+Shared by the in-step ``data_axes`` path (``microbatching_spmd``) and the
+per-replica windows carried between jitted steps (``replicas``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from weighted_accum._src.core import window
+from weighted_accum._src.errors import WeightedAccumulationError
+
+Axes = tuple[str, ...]
+
+
+class Leaf(NamedTuple):
+  """One param leaf's layout over the data axes.
+
+  Attributes:
+    spec: its full ``PartitionSpec`` (``None``: not known, under ``Auto``
+      axes without ``param_specs``).
+    dim: the dimension sharded over data axes (FSDP), or ``None``.
+    scatter: those data axes, major first.
+  """
+
+  spec: Any
+  dim: int | None = None
+  scatter: Axes = ()
+
+
+def names(entry: Any) -> Axes:
+  """The mesh axes of one ``PartitionSpec`` entry."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def entry(axes: Axes) -> Any:
+  """Axes as one ``PartitionSpec`` entry."""
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def without(spec: Any, axes: Axes) -> P:
+  """``spec`` with the ``axes`` removed (what is left once gathered)."""
+  out = []
+  for e in spec:
+    rest = tuple(a for a in names(e) if a not in axes)
+    out.append(rest[0] if len(rest) == 1 else (rest or None))
+  return P(*out)
+
+
+def leaf(spec: Any, axes: Axes, ndim: int, path: str, *, what: str) -> Leaf:
+  """A param's layout from its spec; refuses data axes on two dimensions or
+  after another axis in one entry (no tiled reduce-scatter yields that)."""
+  if spec is None:
+    return Leaf(None)
+  if len(spec) > ndim:
+    raise WeightedAccumulationError(
+      f"{what}: param {path} has {ndim} dimension(s) but its spec {spec} "
+      f"names {len(spec)}."
+    )
+  hits = [
+    (i, names(e)) for i, e in enumerate(spec) if set(names(e)) & set(axes)
+  ]
+  if not hits:
+    return Leaf(spec)
+  dim, on = hits[0]
+  lead = on[: next((j for j, a in enumerate(on) if a not in axes), len(on))]
+  if len(hits) > 1 or set(on[len(lead) :]) & set(axes):
+    raise WeightedAccumulationError(
+      f"{what}: param {path} has spec {spec}; a param sharded over the "
+      f"data axes {axes} (FSDP) must be sharded over them on one dimension, "
+      "before any other axis of that dimension."
+    )
+  return Leaf(spec, dim, lead)
+
+
+def find_mesh(arrays: list[Any], axes: Axes, *, what: str) -> Any:
+  """The mesh ``arrays`` live on (their types'), else the context mesh
+  (``jax.set_mesh``), that has every one of ``axes``."""
+  found = []
+  for x in arrays:
+    try:
+      found.append(jax.typeof(x).sharding.mesh)
+    except (AttributeError, TypeError):
+      continue
+  found.append(jax.sharding.get_abstract_mesh())
+  for m in found:
+    if m is not None and all(a in m.axis_names for a in axes):
+      return m
+  raise WeightedAccumulationError(
+    f"{what}: the arrays are not on a mesh with the axes {axes}. Put them "
+    "on one (jax.device_put(x, NamedSharding(mesh, spec))) or call under "
+    "jax.set_mesh(mesh)."
+  )
+
+
+def size(mesh: Any, axes: Axes) -> int:
+  """The number of replicas over ``axes``."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def explicit(mesh: Any, axes: Axes, *, what: str) -> bool:
+  """Whether the data axes are ``Explicit`` (all of them) or not (none)."""
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  flags = {kinds[a] == AxisType.Explicit for a in axes}
+  if len(flags) > 1:
+    raise WeightedAccumulationError(
+      f"{what}: the data axes {axes} mix Explicit and Auto axis types; make "
+      "them all one type."
+    )
+  return flags.pop()
+
+
+def plan(leaves: tuple[Leaf, ...], axes: Axes, *, scattered: bool) -> tuple:
+  """How a window's close reduces each buffer (``window.psum_window``):
+  the default (``None``) for a param not sharded over the data axes; for an
+  FSDP param a reduce-scatter over its data axes then a psum over the
+  others, or (``scattered``: the buffer already holds the reduce-scattered
+  shard) the psum only."""
+  out = []
+  for e in leaves:
+    if not e.scatter:
+      out.append(None)
+      continue
+    rest = tuple(a for a in axes if a not in e.scatter)
+    out.append(window.LeafReduce(rest, () if scattered else e.scatter, e.dim))
+  return tuple(out)
+
+
+def grad_spec(e: Leaf) -> P:
+  """A gradient's ``shard_map`` out spec (the manual data axes only)."""
+  if not e.scatter:
+    return P()
+  return P(*([None] * e.dim), entry(e.scatter))
