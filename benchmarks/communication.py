@@ -61,7 +61,6 @@ import optax  # noqa: E402
 
 from benchmarks import hlo  # noqa: E402
 import weighted_accum as wa  # noqa: E402
-from weighted_accum import distributed as dist  # noqa: E402
 
 N = 8
 KS = (1, 2, 8)
@@ -264,13 +263,16 @@ def across_rows() -> list[dict]:
             _window(label, "f.accumulate into wa.init, jit", k, mid, close)
           )
         f = wa.microbatched_value_and_grad(
-          loss_fn, k, mode="sum", data_axes="data"
+          loss_fn,
+          k,
+          mode="sum",
+          axis_name="data",
         )
-        stacked = dist.init(p, "data")
+        stacked = wa.init(p, axis_name="data")
         mid = measure(m, f.accumulate, stacked, p, b)
         close = measure(
           m,
-          lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name="data"),
+          lambda s, p, o: wa.apply_window(tx, s, p, o),
           stacked,
           p,
           opt,

@@ -124,14 +124,15 @@ def _resume(ckpt_dir: str, out: str) -> None:
 
   mesh = make_mesh(len(jax.devices()))
   params = place(host_params(), mesh)
-  template = wa.abstract_state(params, jnp.dtype(DTYPE))
+  template = wa.checkpoint.abstract_state(params, jnp.dtype(DTYPE))
   results = {}
   with ocp.CheckpointManager(ckpt_dir) as mngr:
     for step in mngr.all_steps():
       got = mngr.restore(
         step,
         args=ocp.args.Composite(
-          accum=wa.AccumRestore(template), data=ocp.args.JsonRestore()
+          accum=wa.checkpoint.AccumRestore(template),
+          data=ocp.args.JsonRestore(),
         ),
       )
       state = got.accum
@@ -160,7 +161,7 @@ def optax_tx():
 
   import weighted_accum as wa  # pylint: disable=g-import-not-at-top
 
-  return wa.weighted_multi_steps(
+  return wa.WeightedMultiSteps(
     optax.adamw(1e-2, weight_decay=0.1), every_k_schedule=OPTAX_K, mode="mean"
   )
 
@@ -210,7 +211,7 @@ def _optax(ckpt_dir: str, out: str) -> None:
         step,
         args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract_params),
-          opt=wa.AccumRestore(template),
+          opt=wa.checkpoint.AccumRestore(template),
           data=ocp.args.JsonRestore(),
         ),
       )
@@ -236,7 +237,7 @@ def _crash(ckpt_dir: str) -> None:
   state = run(wa.init(params, jnp.dtype(DTYPE), LOSS_SCALE), 0, 2, mesh)
   options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
   mngr = ocp.CheckpointManager(ckpt_dir, options=options)
-  mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+  mngr.save(1, args=ocp.args.Composite(accum=wa.checkpoint.AccumSave(state)))
   mngr.wait_until_finished()
   state = run(state, 2, 4, mesh)
 
@@ -250,7 +251,7 @@ def _crash(ckpt_dir: str) -> None:
     time.sleep(600)
 
   ocp.BasePyTreeCheckpointHandler._write_metadata_file = stall  # pylint: disable=protected-access
-  mngr.save(2, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+  mngr.save(2, args=ocp.args.Composite(accum=wa.checkpoint.AccumSave(state)))
   print("SAVE-RETURNED", flush=True)
   time.sleep(600)
 

@@ -84,11 +84,11 @@ def main(process_id: int, port: int, ckpt_dir: str, out_path: str) -> None:
   xs, ys, ms = (global_array(a, spec) for a in (x, y, m))
 
   def body(params, x, y, m):
-    state = dist.init(params, "data")
+    state = wa.init(params, axis_name="data")
     for k in range(common.MP_K):
       g = dist.local_grad(common.loss_sum, "data")(params, x[k], y[k], m[k])
-      state = dist.accumulate_sum(state, g, jnp.sum(m[k]), "data")
-    out, _ = dist.finish_mean(state, "data")
+      state = wa.accumulate_sum(state, g, jnp.sum(m[k]))
+    out, _ = wa.finish_mean(state)
     return out.grads, out.weight, out.valid
 
   grads, weight, valid = jax.jit(
@@ -207,7 +207,10 @@ def _data_axes_case(mesh, host_params, x, y, m, global_array) -> dict:
   params = jax.tree.map(lambda a: global_array(a, P()), host_params)
   f = jax.jit(
     wa.microbatched_value_and_grad(
-      common.loss_of_batch, common.MP_K, mode="sum", data_axes="data"
+      common.loss_of_batch,
+      common.MP_K,
+      mode="sum",
+      axis_name="data",
     )
   )
   stats = hlo.hlo_stats(f.lower(params, batch).compile())

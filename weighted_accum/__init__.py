@@ -4,12 +4,17 @@ Callers hand in gradients of a per-microbatch loss SUM or MEAN together with
 that microbatch's effective weight (tokens, samples); the library keeps
 weighted sums in a chosen work dtype and divides once, so the result equals
 the full-batch gradient whatever the split.
+
+The public surface (version 1.0, frozen: later changes go through
+deprecation): this namespace, :mod:`weighted_accum.distributed` (data
+parallelism) and :mod:`weighted_accum.checkpoint` (Orbax).
 """
 
 from importlib import metadata as _metadata
 
 from weighted_accum import checkpoint
 from weighted_accum import distributed
+from weighted_accum._src import validation as _validation
 
 # Across jitted steps: the optax wrapper and flax's TrainState.
 from weighted_accum._src.across_steps.multi_steps import (
@@ -19,57 +24,43 @@ from weighted_accum._src.across_steps.multi_steps import (
   has_updated as has_updated,
 )
 from weighted_accum._src.across_steps.multi_steps import (
-  weighted_multi_steps as weighted_multi_steps,
-)
-from weighted_accum._src.across_steps.multi_steps import (
   window_counters as window_counters,
 )
 from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState as WeightedMultiStepsState,
 )
-
-# Across jitted steps: flax's TrainState with a weight.
 from weighted_accum._src.across_steps.train_state import (
   TrainState as TrainState,
 )
 
-# Checkpoints (more in weighted_accum.checkpoint).
-from weighted_accum._src.checkpointing.checkpoint import (
-  AccumRestore as AccumRestore,
-)
-from weighted_accum._src.checkpointing.checkpoint import AccumSave as AccumSave
-from weighted_accum._src.checkpointing.checkpoint import (
-  abstract_state as abstract_state,
-)
-
-# The functional API: open, fill and close a window.
-from weighted_accum._src.core.accumulation import (
-  accumulate_mean as accumulate_mean,
-)
-from weighted_accum._src.core.accumulation import (
-  accumulate_sum as accumulate_sum,
-)
+# The state and the error.
 from weighted_accum._src.core.accumulation import from_buffers as from_buffers
-from weighted_accum._src.core.accumulation import init as init
 
 # Mixed precision.
 from weighted_accum._src.core.accumulation import (
   set_loss_scale as set_loss_scale,
 )
-
-# The state and the error.
 from weighted_accum._src.core.base import AccumState as AccumState
 from weighted_accum._src.core.base import (
   AccumulatedGradients as AccumulatedGradients,
 )
+
+# Close a window: its sums, its mean, or its mean through an optimizer.
 from weighted_accum._src.core.finishing import apply_window as apply_window
 from weighted_accum._src.core.finishing import finish_mean as finish_mean
 from weighted_accum._src.core.finishing import finish_sums as finish_sums
+
+# Open and fill a window (global, or per replica with axis_name).
+from weighted_accum._src.core.functional import (
+  accumulate_mean as accumulate_mean,
+)
+from weighted_accum._src.core.functional import accumulate_sum as accumulate_sum
+from weighted_accum._src.core.functional import init as init
 from weighted_accum._src.core.loss_scale import (
   DynamicLossScale as DynamicLossScale,
 )
 
-# The functional API: read the open window's mean, or drop the window.
+# Read the open window's mean, or drop the window.
 from weighted_accum._src.core.open_window import discard as discard
 from weighted_accum._src.core.open_window import peek_mean as peek_mean
 from weighted_accum._src.errors import (
@@ -85,13 +76,6 @@ from weighted_accum._src.in_step.microbatching import (
 from weighted_accum._src.in_step.optax_microbatching import (
   optax_accumulator as optax_accumulator,
 )
-from weighted_accum._src.parallel.distributed import reduce_sums as reduce_sums
-
-# Data parallelism (more in weighted_accum.distributed).
-from weighted_accum._src.parallel.local_grads import local_grad as local_grad
-from weighted_accum._src.parallel.local_grads import (
-  local_value_and_grad as local_value_and_grad,
-)
 
 # The one version string is pyproject.toml's; installed metadata carries it.
 try:
@@ -100,8 +84,6 @@ except _metadata.PackageNotFoundError:  # a source tree that is not installed
   __version__ = "0+unknown"
 
 __all__ = (
-  "AccumRestore",
-  "AccumSave",
   "AccumState",
   "AccumulatedGradients",
   "DynamicLossScale",
@@ -109,7 +91,6 @@ __all__ = (
   "WeightedAccumulationError",
   "WeightedMultiSteps",
   "WeightedMultiStepsState",
-  "abstract_state",
   "accumulate_mean",
   "accumulate_sum",
   "apply_window",
@@ -121,13 +102,24 @@ __all__ = (
   "from_buffers",
   "has_updated",
   "init",
-  "local_grad",
-  "local_value_and_grad",
   "microbatched_value_and_grad",
   "optax_accumulator",
   "peek_mean",
-  "reduce_sums",
   "set_loss_scale",
-  "weighted_multi_steps",
   "window_counters",
 )
+
+#: Names removed in version 1.0 and their new spelling.
+_MOVED = {
+  "AccumSave": "use weighted_accum.checkpoint.AccumSave.",
+  "AccumRestore": "use weighted_accum.checkpoint.AccumRestore.",
+  "abstract_state": "use weighted_accum.checkpoint.abstract_state.",
+  "local_grad": "use weighted_accum.distributed.local_grad.",
+  "local_value_and_grad": "use weighted_accum.distributed."
+  "local_value_and_grad.",
+  "reduce_sums": "use weighted_accum.distributed.reduce_sums.",
+  "weighted_multi_steps": "use weighted_accum.WeightedMultiSteps(...) (the "
+  "same parameters); pass it where a GradientTransformation is taken, or "
+  "call its .gradient_transformation().",
+}
+__getattr__ = _validation.removed_attribute("weighted_accum", _MOVED)

@@ -1,22 +1,17 @@
-"""Data parallelism inside ``jax.shard_map``: per-replica windows reduced
-once, and local gradients.
+"""Data parallelism: what a per-replica window needs beyond the core API.
 
-Under plain ``jax.jit`` over global arrays none of this is needed: the core
-functions work on sharded arrays as they are. The styles, the autodiff trap
-and when to reduce: ``docs/scaling.md``.
+A window is made per replica by :func:`weighted_accum.init` with
+``axis_name`` (inside ``jax.shard_map``: this replica's window; outside: a
+window stacked over the replicas, carried between jitted steps), and every
+core function reads that from the window. Here: the specs to pass a stacked
+window into ``shard_map`` (``window_specs``), the reduction of a replica's
+``finish_sums`` (``reduce_sums``), the data-parallel part of an in-step
+window (``DataParallel``) and local gradients (``local_grad``,
+``local_value_and_grad``, ``is_reduced``). Under plain ``jax.jit`` over
+global arrays none of this is needed. ``docs/scaling.md`` tells the styles.
 """
 
-from weighted_accum._src.parallel.distributed import (
-  REDUCE_MODES as REDUCE_MODES,
-)
-from weighted_accum._src.parallel.distributed import (
-  accumulate_mean as accumulate_mean,
-)
-from weighted_accum._src.parallel.distributed import (
-  accumulate_sum as accumulate_sum,
-)
-from weighted_accum._src.parallel.distributed import finish_mean as finish_mean
-from weighted_accum._src.parallel.distributed import init as init
+from weighted_accum._src import validation as _validation
 from weighted_accum._src.parallel.distributed import reduce_sums as reduce_sums
 from weighted_accum._src.parallel.local_grads import is_reduced as is_reduced
 from weighted_accum._src.parallel.local_grads import local_grad as local_grad
@@ -24,16 +19,31 @@ from weighted_accum._src.parallel.local_grads import (
   local_value_and_grad as local_value_and_grad,
 )
 from weighted_accum._src.parallel.replicas import window_specs as window_specs
+from weighted_accum._src.parallel.spmd_layout import (
+  DataParallel as DataParallel,
+)
 
 __all__ = [
-  "REDUCE_MODES",
-  "accumulate_mean",
-  "accumulate_sum",
-  "finish_mean",
-  "init",
+  "DataParallel",
   "is_reduced",
   "local_grad",
   "local_value_and_grad",
   "reduce_sums",
   "window_specs",
 ]
+
+_MOVED = {
+  "init": "use weighted_accum.init(params, dtype, loss_scale, "
+  "axis_name=..., reduce=...): the window keeps its axes and reduce mode.",
+  "accumulate_sum": "use weighted_accum.accumulate_sum(state, grads, "
+  "weight): the window knows its axes and reduce mode.",
+  "accumulate_mean": "use weighted_accum.accumulate_mean(state, grads, "
+  "weight): the window knows its axes and reduce mode.",
+  "finish_mean": "use weighted_accum.finish_mean(state): the window knows "
+  "its axes and reduce mode.",
+  "REDUCE_MODES": "weighted_accum.init(..., reduce=...) takes 'window' or "
+  "'microbatch'.",
+}
+__getattr__ = _validation.removed_attribute(
+  "weighted_accum.distributed", _MOVED
+)

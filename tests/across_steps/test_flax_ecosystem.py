@@ -52,7 +52,7 @@ def test_nnx_optimizer_counters_inside_and_outside_nnx_jit():
   model = nnx.Linear(3, 1, dtype=jnp.float16, rngs=nnx.Rngs(0))
   graphdef, params0 = nnx.split(model, nnx.Param)
   params0 = jax.tree.map(jnp.array, params0)
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.adam(0.05),
     2,
     mode="sum",
@@ -112,10 +112,10 @@ def test_flax_stock_train_state_points_to_the_librarys(form):
   inner = optax.sgd(0.1)
   tx = {
     "class": wa.WeightedMultiSteps(inner, 2, mode="mean"),
-    "function": wa.weighted_multi_steps(inner, 2, mode="mean"),
+    "function": wa.WeightedMultiSteps(inner, 2, mode="mean"),
     "chain": optax.chain(
       optax.clip_by_global_norm(1.0),
-      wa.weighted_multi_steps(inner, 2, mode="mean"),
+      wa.WeightedMultiSteps(inner, 2, mode="mean"),
     ),
   }[form]
   stock = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)

@@ -85,11 +85,11 @@ def test_functional_form_builds_the_same_transformation():
   windows = [_data(1), _data(2)]
   results = []
   for tx in (
-    wa.weighted_multi_steps(optax.adamw(0.05), every_k_schedule=3, mode="mean"),
+    wa.WeightedMultiSteps(optax.adamw(0.05), every_k_schedule=3, mode="mean"),
     wa.WeightedMultiSteps(
       optax.adamw(0.05), 3, mode="mean"
     ).gradient_transformation(),
-    wa.weighted_multi_steps(optax.adamw(0.05), lambda s: 3, mode="mean"),
+    wa.WeightedMultiSteps(optax.adamw(0.05), lambda s: 3, mode="mean"),
   ):
     params, state = _params(), None
     state = tx.init(params)
@@ -310,13 +310,13 @@ def test_window_with_nonfinite_updates_is_not_applied():
 )
 def test_bad_every_k_raises_naming_it(bad, needle):
   with pytest.raises(wa.WeightedAccumulationError, match=needle):
-    wa.weighted_multi_steps(optax.sgd(0.1), bad, mode="mean")
+    wa.WeightedMultiSteps(optax.sgd(0.1), bad, mode="mean")
   with pytest.raises(wa.WeightedAccumulationError, match="every_k_schedule"):
     wa.WeightedMultiSteps(optax.sgd(0.1), bad, mode="mean")
 
 
 def test_every_k_at_the_int32_limit_is_accepted():
-  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2**31 - 1, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2**31 - 1, mode="mean")
   _, state = tx.update(
     {"w": jnp.ones(1)}, tx.init({"w": jnp.ones(1)}), weight=1
   )
@@ -356,7 +356,7 @@ def test_bad_inner_optimizer_and_finish_raise():
 def test_zero_weight_close_keeps_next_loss_scale():
   """An all-zero window closes with next_loss_scale=4: it stays open, and
   the next microbatches (scaled by 4) are unscaled by 4."""
-  tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, mode="sum")
+  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="sum")
   params = {"w": jnp.zeros(2)}
   state = tx.init(params)
   nan = {"w": jnp.full(2, jnp.nan)}
@@ -427,7 +427,7 @@ def test_dynamic_loss_scale_skips_backs_off_grows_and_unscales():
 
 
 def test_dynamic_loss_scale_refuses_next_loss_scale():
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.sgd(0.1), 2, loss_scale=wa.DynamicLossScale(4.0), mode="mean"
   )
   params = {"w": jnp.ones(1)}
@@ -471,7 +471,7 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
     mngr.save(
       4,
       args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt=wa.AccumSave(state)
+        params=ocp.args.StandardSave(params), opt=wa.checkpoint.AccumSave(state)
       ),
     )
   tx2 = make()
@@ -480,7 +480,7 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
       4,
       args=ocp.args.Composite(
         params=ocp.args.StandardRestore(params),
-        opt=wa.AccumRestore(tx2.init(_params())),
+        opt=wa.checkpoint.AccumRestore(tx2.init(_params())),
       ),
     )
   assert int(got.opt.mini_step) == 1 and int(got.opt.gradient_step) == 1
@@ -551,7 +551,7 @@ def test_linen_train_state_finish_closes_a_short_window():
   state = wa.TrainState.create(
     apply_fn=model.apply,
     params=params,
-    tx=wa.weighted_multi_steps(optax.sgd(0.1), None, mode="mean"),
+    tx=wa.WeightedMultiSteps(optax.sgd(0.1), None, mode="mean"),
   )
   x, y, mask = _data(20, k=2)
   grads = jax.grad(functools.partial(_linen_loss, model.apply))(
@@ -578,11 +578,11 @@ def test_linen_train_state_orbax_round_trip(tmp_path):
   for mb in micro[:4]:  # mid-window 2
     state = _linen_step(state, *mb)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
-    mngr.save(4, args=ocp.args.Composite(state=wa.AccumSave(state)))
+    mngr.save(4, args=ocp.args.Composite(state=wa.checkpoint.AccumSave(state)))
   fresh = wa.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
   with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
     restored = mngr.restore(
-      4, args=ocp.args.Composite(state=wa.AccumRestore(fresh))
+      4, args=ocp.args.Composite(state=wa.checkpoint.AccumRestore(fresh))
     ).state
   assert isinstance(restored, wa.TrainState) and int(restored.step) == 4
   assert int(wa.window_counters(restored.opt_state)["mini_step"]) == 1

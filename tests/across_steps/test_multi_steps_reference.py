@@ -122,7 +122,7 @@ _STEPS = {}
 def _cached_step(inner_name, mode, k):
   key = (inner_name, mode, k)
   if key not in _STEPS:
-    tx = wa.weighted_multi_steps(INNERS[inner_name](), k, mode=mode)
+    tx = wa.WeightedMultiSteps(INNERS[inner_name](), k, mode=mode)
     _STEPS[key] = (tx, _make_step(tx, mode))
   return _STEPS[key]
 
@@ -156,7 +156,7 @@ def test_matches_full_batch_reference(inner_name, mode, sizes, seed):
 def test_eager_update_matches_reference():
   """The same without jit: update called eagerly, microbatch by microbatch."""
   inner = INNERS["adamw"]()
-  tx = wa.weighted_multi_steps(inner, 2, mode="mean")
+  tx = wa.WeightedMultiSteps(inner, 2, mode="mean")
   windows = [_data([4, 1], 1), _data([2, 5], 2)]
   params = _fresh(_init_params())
   state = tx.init(params)
@@ -215,7 +215,7 @@ def test_equal_weights_match_multisteps_unequal_do_not(inner_name):
 def test_finish_closes_partial_windows(every_k):
   """finish=True (traced) closes short windows, each normalised by its own
   weight; with every_k=None only finish closes."""
-  tx = wa.weighted_multi_steps(INNERS["adamw"](), every_k, mode="mean")
+  tx = wa.WeightedMultiSteps(INNERS["adamw"](), every_k, mode="mean")
   step = _make_step(tx, "mean")
   windows = [_data([3, 1], 20), _data([2, 5, 1], 21), _data([4], 22)]
   got, state = _run(step, tx, _init_params(), windows, finish_last=True)
@@ -227,7 +227,7 @@ def test_finish_closes_partial_windows(every_k):
 
 def test_full_window_after_partial_one():
   """every_k still counts from the start of each window after a finish."""
-  tx = wa.weighted_multi_steps(INNERS["sgd"](), 2, mode="mean")
+  tx = wa.WeightedMultiSteps(INNERS["sgd"](), 2, mode="mean")
   step = _make_step(tx, "mean")
   params = _fresh(_init_params())
   state = tx.init(params)
@@ -289,7 +289,7 @@ def test_float16_overflow_window_is_skipped_and_next_starts_clean():
   (with a lower loss scale) is exact."""
   lr = 0.1
   inner = optax.adam(lr)
-  tx = wa.weighted_multi_steps(inner, 2, mode="sum", loss_scale=2.0**15)
+  tx = wa.WeightedMultiSteps(inner, 2, mode="sum", loss_scale=2.0**15)
   params = {"w": jnp.array([1.0, -2.0, 3.0], jnp.float32)}
 
   def f16_grads(params, x, scale):
@@ -344,7 +344,7 @@ def test_float16_overflow_window_is_skipped_and_next_starts_clean():
 
 
 def test_nan_with_positive_weight_is_skipped():
-  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode="mean")
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
   _, state = tx.update(
@@ -371,7 +371,7 @@ def test_inner_update_runs_only_at_a_close():
     jax.debug.callback(lambda: calls.append(1))
     return sgd.update(updates, state, params)
 
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.GradientTransformation(sgd.init, counting_update), 3, mode="mean"
   )
   step = _make_step(tx, "mean")
@@ -402,7 +402,7 @@ def test_nnx_optimizer_matches_reference():
   model = _MLP(nnx.Rngs(0))
   graphdef, params0 = nnx.split(model, nnx.Param)
   params0 = jax.tree.map(np.asarray, params0)
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.adamw(0.05, weight_decay=0.1), 3, mode="mean"
   )
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -442,7 +442,7 @@ def test_nnx_optimizer_matches_reference():
 
 def test_donated_step_compiles_once_over_100_weights():
   traces = []
-  tx = wa.weighted_multi_steps(optax.adamw(1e-3), 4, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.adamw(1e-3), 4, mode="mean")
 
   def step(params, state, grads, weight):
     traces.append(1)
@@ -480,7 +480,7 @@ def test_mid_window_step_is_in_place(inner_name):
   returns (optax.MultiSteps also copies the inner state: 3x for adamw)."""
   n = 1 << 16
   params = {f"l{i}": jnp.ones((n,), jnp.float32) for i in range(4)}
-  tx = wa.weighted_multi_steps(INNERS[inner_name](), 4, mode="mean")
+  tx = wa.WeightedMultiSteps(INNERS[inner_name](), 4, mode="mean")
   state = tx.init(params)
 
   def step(params, state, grads, weight):
@@ -514,7 +514,7 @@ def test_shard_map_data_parallel_matches_reference(mode, local):
   r = len(devices)
   mesh = jax.sharding.Mesh(devices, ("data",))
   inner = INNERS["adamw"]()
-  tx = wa.weighted_multi_steps(inner, 2, mode=mode, axis_name="data")
+  tx = wa.WeightedMultiSteps(inner, 2, mode=mode, axis_name="data")
   loss = _mean_loss if mode == "mean" else _sum_loss
 
   def local_step(params, state, x, y, mask):
@@ -565,7 +565,7 @@ def test_jit_sharded_params_keep_shardings():
     _fresh(_init_params()),
     {k: jax.sharding.NamedSharding(mesh, v) for k, v in shardings.items()},
   )
-  tx = wa.weighted_multi_steps(INNERS["adamw"](), 2, mode="mean")
+  tx = wa.WeightedMultiSteps(INNERS["adamw"](), 2, mode="mean")
   step = _make_step(tx, "mean")
   state = tx.init(params)
   x, y, mask = (
@@ -593,7 +593,7 @@ def test_jit_sharded_params_keep_shardings():
 
 def test_shard_map_refuses_autodiff_reduced_grads():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2, axis_name="data", mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2, axis_name="data", mode="mean")
 
   def local_step(params, state, x, y, mask):
     g = jax.grad(_mean_loss)(params, x[0], y[0], mask[0])  # unvarying params
@@ -618,21 +618,21 @@ def test_shard_map_refuses_autodiff_reduced_grads():
 
 def test_configuration_errors():
   with pytest.raises(wa.WeightedAccumulationError, match="every_k"):
-    wa.weighted_multi_steps(optax.sgd(0.1), 0, mode="mean")
+    wa.WeightedMultiSteps(optax.sgd(0.1), 0, mode="mean")
   with pytest.raises(wa.WeightedAccumulationError, match="every_k"):
-    wa.weighted_multi_steps(optax.sgd(0.1), 2.5, mode="mean")
+    wa.WeightedMultiSteps(optax.sgd(0.1), 2.5, mode="mean")
   with pytest.raises(wa.WeightedAccumulationError, match="mode"):
-    wa.weighted_multi_steps(optax.sgd(0.1), 2, mode="avg")
+    wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode="avg")
   with pytest.raises(wa.WeightedAccumulationError, match="dtype"):
-    wa.weighted_multi_steps(
+    wa.WeightedMultiSteps(
       optax.sgd(0.1), 2, accumulator_dtype=jnp.int32, mode="mean"
     )
   with pytest.raises(wa.WeightedAccumulationError, match="loss_scale"):
-    wa.weighted_multi_steps(optax.sgd(0.1), 2, loss_scale=0.0, mode="mean")
+    wa.WeightedMultiSteps(optax.sgd(0.1), 2, loss_scale=0.0, mode="mean")
 
 
 def test_update_errors_leave_state_untouched():
-  tx = wa.weighted_multi_steps(optax.sgd(0.1), 2, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode="mean")
   params = {"a": jnp.ones(2), "b": jnp.ones(3)}
   state = tx.init(params)
   g = {"a": jnp.ones(2), "b": jnp.ones(3)}
@@ -650,7 +650,7 @@ def test_update_errors_leave_state_untouched():
 
 
 def test_invalid_traced_weight_rejects_microbatch():
-  tx = wa.weighted_multi_steps(optax.sgd(1.0), 3, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 3, mode="mean")
   params = {"w": jnp.zeros(2)}
   upd_fn = jax.jit(functools.partial(tx.update, params=params))
   state = tx.init(params)
@@ -683,7 +683,7 @@ def test_float16_buffers_window_mean_beyond_float16_range_is_not_inf():
   mean (1000 / 0.01 = 1e5) does not. With float32 params the inner
   optimizer must get the exact float32 mean, not a float16 Inf that the
   window's validity check (on the sums) cannot see."""
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.sgd(1.0), 1, mode="sum", accumulator_dtype=jnp.float16
   )
   params = {"w": jnp.ones(2)}

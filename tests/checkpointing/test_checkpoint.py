@@ -59,12 +59,12 @@ def _bits(tree) -> list[tuple[str, str, tuple, bytes]]:
 
 def _save(path, tree) -> None:
   with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
-    ckptr.save(path, args=wa.AccumSave(tree))
+    ckptr.save(path, args=wa.checkpoint.AccumSave(tree))
 
 
 def _restore(path, template):
   with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
-    return ckptr.restore(path, args=wa.AccumRestore(template))
+    return ckptr.restore(path, args=wa.checkpoint.AccumRestore(template))
 
 
 def _mid_window(mesh, n=3):
@@ -98,7 +98,7 @@ def test_resume_in_new_process_on_other_mesh_is_bitwise(tmp_path, mesh8):
         mngr.save(
           i,
           args=ocp.args.Composite(
-            accum=wa.AccumSave(state),
+            accum=wa.checkpoint.AccumSave(state),
             params=ocp.args.StandardSave(params),
             data=ocp.args.JsonSave({"next_microbatch": i}),
           ),
@@ -145,7 +145,7 @@ def test_optax_wrapper_resume_in_new_process_is_bitwise(tmp_path):
           i,
           args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
-            opt=wa.AccumSave(opt_state),
+            opt=wa.checkpoint.AccumSave(opt_state),
             data=ocp.args.JsonSave({"next_microbatch": i}),
           ),
         )
@@ -179,7 +179,7 @@ def test_optax_wrapper_state_resumes_on_a_mesh(tmp_path, mesh8, template_kind):
     mngr.save(
       4,
       args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt=wa.AccumSave(state)
+        params=ocp.args.StandardSave(params), opt=wa.checkpoint.AccumSave(state)
       ),
     )
   # A fresh state (its scalars uncommitted) or an abstract one as template.
@@ -195,7 +195,7 @@ def test_optax_wrapper_state_resumes_on_a_mesh(tmp_path, mesh8, template_kind):
         params=ocp.args.StandardRestore(
           jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh())
         ),
-        opt=wa.AccumRestore(template),
+        opt=wa.checkpoint.AccumRestore(template),
       ),
     )
   assert isinstance(got.opt, wa.WeightedMultiStepsState)
@@ -291,20 +291,20 @@ def test_sigkill_during_save_keeps_previous_step(tmp_path):
 
   mesh = child.make_mesh(8)
   params, step1 = _mid_window(mesh, 2)
-  template = wa.abstract_state(params, BF16)
+  template = wa.checkpoint.abstract_state(params, BF16)
   with ocp.CheckpointManager(ckpt) as mngr:
     assert mngr.latest_step() == 1
     assert mngr.all_steps() == [1]
     got = mngr.restore(
-      1, args=ocp.args.Composite(accum=wa.AccumRestore(template))
+      1, args=ocp.args.Composite(accum=wa.checkpoint.AccumRestore(template))
     ).accum
     assert _bits(got) == _bits(step1)
     step2 = child.run(got, 2, 4, mesh)
-    mngr.save(2, args=ocp.args.Composite(accum=wa.AccumSave(step2)))
+    mngr.save(2, args=ocp.args.Composite(accum=wa.checkpoint.AccumSave(step2)))
     mngr.wait_until_finished()
     assert mngr.latest_step() == 2
     again = mngr.restore(
-      2, args=ocp.args.Composite(accum=wa.AccumRestore(template))
+      2, args=ocp.args.Composite(accum=wa.checkpoint.AccumRestore(template))
     ).accum
   _, want2 = _mid_window(mesh, 4)
   assert _bits(again) == _bits(want2)
@@ -321,7 +321,7 @@ def test_sharded_restore_on_the_same_mesh(tmp_path, mesh8):
     child.run(jax.tree.map(jnp.copy, state), 3, child.K, mesh8)
   )  # run() donates its input
   for template in (
-    wa.abstract_state(params, BF16),
+    wa.checkpoint.abstract_state(params, BF16),
     state,
     wa.init(params, BF16),
   ):
@@ -342,7 +342,7 @@ def test_restore_onto_a_smaller_mesh(tmp_path, mesh8, n_devices):
   _save(tmp_path / "accum", state)
   mesh = child.make_mesh(n_devices)
   params = child.place(child.host_params(), mesh)
-  got = _restore(tmp_path / "accum", wa.abstract_state(params, BF16))
+  got = _restore(tmp_path / "accum", wa.checkpoint.abstract_state(params, BF16))
   assert _bits(got) == _bits(state)
   for g, p in zip(jax.tree.leaves(got.grads), jax.tree.leaves(params)):
     assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
@@ -355,7 +355,7 @@ def test_restore_onto_a_smaller_mesh(tmp_path, mesh8, n_devices):
 
 def test_abstract_state_keeps_shardings_eval_shape_does_not(mesh8):
   params = child.place(child.host_params(), mesh8)
-  abstract = wa.abstract_state(params, BF16)
+  abstract = wa.checkpoint.abstract_state(params, BF16)
   concrete = wa.init(params, BF16)
   for a, c in zip(
     jax.tree.leaves(abstract.grads), jax.tree.leaves(concrete.grads)
@@ -445,7 +445,9 @@ def test_refuses_another_work_dtype(saved, dtype):
   path, params, _ = saved
   _assert_refused(path, wa.init(params, dtype), "bfloat16", dtype, "dtype")
   # Abstract template too (Orbax alone would cast it silently).
-  _assert_refused(path, wa.abstract_state(params, dtype), "bfloat16", dtype)
+  _assert_refused(
+    path, wa.checkpoint.abstract_state(params, dtype), "bfloat16", dtype
+  )
 
 
 def test_refuses_a_cast_of_another_leaf(tmp_path):
@@ -584,7 +586,8 @@ def test_refuses_a_missing_item_directory(saved):
   # (FileNotFoundError, KeyError); the handler refuses on its own as well.
   with pytest.raises(wa.WeightedAccumulationError, match="does not exist"):
     AccumCheckpointHandler().restore(
-      path.with_name("nowhere"), args=wa.AccumRestore(wa.init(params, BF16))
+      path.with_name("nowhere"),
+      args=wa.checkpoint.AccumRestore(wa.init(params, BF16)),
     )
 
 
@@ -592,7 +595,7 @@ def test_restore_without_a_template_is_refused(saved):
   path, _, state = saved
   mngr_dir = path.parent / "mngr"
   with ocp.CheckpointManager(mngr_dir) as mngr:
-    mngr.save(0, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+    mngr.save(0, args=ocp.args.Composite(accum=wa.checkpoint.AccumSave(state)))
     mngr.wait_until_finished()
   with ocp.CheckpointManager(mngr_dir) as mngr:  # fresh: no handler known
     with pytest.raises(wa.WeightedAccumulationError, match="template"):
@@ -620,14 +623,16 @@ def test_async_save_then_donation_writes_the_pre_donation_values(
   before = _bits(state)
   options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
   with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
-    mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+    mngr.save(1, args=ocp.args.Composite(accum=wa.checkpoint.AccumSave(state)))
     assert _bits(state) == before  # saving changed nothing
     for _ in range(3):  # overwrite the saved buffers in place
       state = step(state, ones)
     mngr.wait_until_finished()
     got = mngr.restore(
       1,
-      args=ocp.args.Composite(accum=wa.AccumRestore(wa.abstract_state(params))),
+      args=ocp.args.Composite(
+        accum=wa.checkpoint.AccumRestore(wa.checkpoint.abstract_state(params))
+      ),
     ).accum
   assert _bits(got) == before
   assert float(state.grads["big"][0, 0]) == 4.0 and state.total_weight == 4.0
@@ -648,7 +653,7 @@ def test_tree_with_accumulator_and_optimizer_state(tmp_path):
   _save(tmp_path / "tree", tree)
   template = {
     "opt": jax.eval_shape(opt.init, params),
-    "accum": wa.abstract_state(params, BF16),
+    "accum": wa.checkpoint.abstract_state(params, BF16),
     "step": 0,
   }
   got = _restore(tmp_path / "tree", template)

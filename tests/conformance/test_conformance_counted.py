@@ -59,7 +59,7 @@ def test_train_state_weight_with_the_wrapper_is_exact(form):
   if form == "WeightedMultiSteps":
     tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean")
   else:
-    tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, mode="mean")
+    tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean")
   ts = wa.TrainState.create(apply_fn=None, params=host_params(), tx=tx)
   step = jax.jit(lambda ts, g, w: ts.apply_gradients(grads=g, weight=w))
   for _ in range(2):
@@ -202,7 +202,7 @@ def _differs(a, b) -> bool:
   )
 
 
-_TX = wa.weighted_multi_steps(optax.sgd(1.0), 2, mode="sum")
+_TX = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="sum")
 _J_UPD = jax.jit(lambda g, s, p, w: _TX.update(g, s, p, weight=w))
 
 

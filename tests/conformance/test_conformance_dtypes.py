@@ -28,7 +28,6 @@ from _conformance import assert_close
 from _conformance import assert_finite
 from _conformance import host_params
 import weighted_accum as wa
-from weighted_accum import distributed as dist
 
 LR = 1e-6
 BIG = {"b": np.full(8, 7e4, np.float32), "w": np.full((8, 4), -9e4, np.float32)}
@@ -312,9 +311,9 @@ def test_float64_distributed_finish_mean():
 
     def step(p, g, w):
       g = jax.tree.map(lambda x: x[0], g)
-      s = dist.init(p, "data", jnp.float64, LS)
-      s = dist.accumulate_mean(s, g, w[0], "data")
-      out, _ = dist.finish_mean(s, "data")
+      s = wa.init(p, jnp.float64, LS, axis_name="data")
+      s = wa.accumulate_mean(s, g, w[0])
+      out, _ = wa.finish_mean(s)
       return out.grads, out.valid
 
     f = jax.jit(

@@ -157,7 +157,7 @@ def test_apply_window_on_a_per_replica_window_in_shard_map():
 
   def step(p, g):
     g = jax.tree.map(lambda x: x[0], g)
-    s = dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
+    s = wa.accumulate_sum(wa.init(p, axis_name="data"), g, 1.0)
     new, _, _, out = wa.apply_window(TX, s, p, TX.init(p))
     return new, out.valid
 
@@ -178,8 +178,8 @@ def test_apply_window_on_a_per_replica_window_in_shard_map():
 def _save_restore(saved, template):
   path = tempfile.mkdtemp() + "/accum"
   with ocp.Checkpointer(wa.checkpoint.AccumCheckpointHandler()) as ck:
-    ck.save(path, args=wa.AccumSave(saved))
-    return ck.restore(path, args=wa.AccumRestore(template))
+    ck.save(path, args=wa.checkpoint.AccumSave(saved))
+    return ck.restore(path, args=wa.checkpoint.AccumRestore(template))
 
 
 def _wrapper_state(opt):

@@ -148,7 +148,7 @@ def test_apply_window_never_applies_nan(context, placement, dtype, case):
 
 # --------------------------------------------------------- optax wrapper --
 
-WTX = wa.weighted_multi_steps(TX, 2, mode="mean")
+WTX = wa.WeightedMultiSteps(TX, 2, mode="mean")
 
 
 def _update(g, s, p, w):
@@ -312,18 +312,14 @@ def _sm(kind, mesh_name):
   def step(p, g):
     g = jax.tree.map(lambda x: x[0], g)
     if kind == "window":
-      s = dist.accumulate_sum(
-        dist.init(p, "data", p["b"].dtype), g, 2.0, "data"
-      )
-      out, _ = dist.finish_mean(s, "data")
+      s = wa.accumulate_sum(wa.init(p, p["b"].dtype, axis_name="data"), g, 2.0)
+      out, _ = wa.finish_mean(s)
     elif kind == "microbatch":
-      s = wa.init(p, dtype=p["b"].dtype)
-      s = dist.accumulate_sum(s, g, 2.0, "data", reduce="microbatch")
-      out, _ = dist.finish_mean(s, "data", reduce="microbatch")
+      s = wa.init(p, p["b"].dtype, axis_name="data", reduce="microbatch")
+      s = wa.accumulate_sum(s, g, 2.0)
+      out, _ = wa.finish_mean(s)
     else:  # finish_sums, then reduce_sums
-      s = dist.accumulate_sum(
-        dist.init(p, "data", p["b"].dtype), g, 2.0, "data"
-      )
+      s = wa.accumulate_sum(wa.init(p, p["b"].dtype, axis_name="data"), g, 2.0)
       out = dist.reduce_sums(wa.finish_sums(s)[0], "data")
     return out.finite[None], out.valid[None], out.grads
 
@@ -380,7 +376,7 @@ def _sm_wrapper(mesh_name):
   mesh, pspec = SM[mesh_name]
   specs = {"b": pspec, "w": pspec}
   gspec = {k: P("data", *pspec) for k in specs}
-  tx = wa.weighted_multi_steps(optax.sgd(1.0), 1, mode="sum", axis_name="data")
+  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 1, mode="sum", axis_name="data")
 
   def step(p, g):
     g = jax.tree.map(lambda x: x[0], g)

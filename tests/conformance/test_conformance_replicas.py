@@ -102,9 +102,9 @@ def test_microbatched_axis_name_refuses_a_per_replica_scale():
 
 def test_distributed_finish_mean_refuses_a_per_replica_scale():
   def step(p, scale):
-    s = dist.init(p, "data", loss_scale=1.0)
+    s = wa.init(p, loss_scale=1.0, axis_name="data")
     s = s.replace(loss_scale=scale[0])  # a varying loss scale
-    return dist.finish_mean(s, "data")[0].valid
+    return wa.finish_mean(s)[0].valid
 
   f = jax.shard_map(step, mesh=MESH, in_specs=(P(), P("data")), out_specs=P())
   with pytest.raises(Error, match="loss scale|loss_scale"):
@@ -236,15 +236,15 @@ def test_window_specs_carry_a_stacked_window_through_shard_map():
   own unequal weight) and is closed by distributed.finish_mean: the mean of
   the two microbatches' rows, in float64."""
   hp = host_params()
-  state = dist.init(_on_mesh(hp), "data")
-  sp = dist.window_specs(state, "data")
+  state = wa.init(_on_mesh(hp), axis_name="data")
+  sp = dist.window_specs(state)
 
   def mid(s, p, x, y, m):
     g = jax.grad(_loss)(p, x, y, m)
-    return dist.accumulate_sum(s, g, jnp.sum(m), "data")
+    return wa.accumulate_sum(s, g, jnp.sum(m))
 
   def close(s):
-    out, _ = dist.finish_mean(s, "data")
+    out, _ = wa.finish_mean(s)
     return out.grads, out.valid
 
   rows = (P("data"),) * 3
@@ -265,7 +265,7 @@ def test_window_specs_carry_a_stacked_window_through_shard_map():
 @pytest.mark.parametrize("axis_name", [3, "", None, ("data", 3)])
 def test_window_specs_refuses_a_bad_axis_name(axis_name):
   with pytest.raises(Error, match=r"window_specs: axis_name="):
-    dist.window_specs(dist.init(_on_mesh(host_params()), "data"), axis_name)
+    dist.window_specs(wa.init(_on_mesh(host_params()), axis_name="data"))
 
 
 @pytest.mark.parametrize("kind", ["params", "unstacked"])
@@ -273,7 +273,7 @@ def test_window_specs_refuses_what_is_not_a_stacked_window(kind):
   hp = host_params()
   state = hp if kind == "params" else wa.init(hp)
   with pytest.raises(Error, match=r"window_specs\(state\)"):
-    dist.window_specs(state, "data")
+    dist.window_specs(state)
 
 
 @pytest.mark.parametrize("what", ["finish", "next_loss_scale"])

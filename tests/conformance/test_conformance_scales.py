@@ -38,7 +38,6 @@ from _conformance import scale_ok
 from _conformance import snapshot
 from _conformance import stored_scale
 import weighted_accum as wa
-from weighted_accum import distributed as dist
 
 G = host_grads()
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -63,7 +62,7 @@ def _sgd_wrapper(**kw):
 
 def _dist_init(v):
   f = jax.shard_map(
-    lambda p: dist.init(p, "data", loss_scale=v).loss_scale,
+    lambda p: wa.init(p, loss_scale=v, axis_name="data").loss_scale,
     mesh=MESH,
     in_specs=P(),
     out_specs=P(),
@@ -73,8 +72,8 @@ def _dist_init(v):
 
 def _dist_finish(v):
   def step(p):
-    s = dist.accumulate_sum(wa.init(p), G, 2.0, "data", reduce="microbatch")
-    _, s = dist.finish_mean(s, "data", reduce="microbatch", next_loss_scale=v)
+    s = wa.accumulate_sum(wa.init(p, axis_name="data"), G, 2.0)
+    _, s = wa.finish_mean(s, next_loss_scale=v)
     return s.loss_scale
 
   f = jax.shard_map(step, mesh=MESH, in_specs=P(), out_specs=P())
@@ -159,9 +158,9 @@ ENTRIES = {
   ),
   "weighted_multi_steps": (
     lambda v: wa.window_counters(
-      wa.weighted_multi_steps(
-        optax.sgd(1.0), 2, mode="mean", loss_scale=v
-      ).init(_params())
+      wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean", loss_scale=v).init(
+        _params()
+      )
     )["loss_scale"],
     r"weighted_multi_steps\(loss_scale",
   ),
@@ -303,7 +302,7 @@ def test_set_loss_scale_vmap_each_lane():
       assert np.isnan(got), (ref, got)
 
 
-_TX = wa.weighted_multi_steps(optax.sgd(1.0), 1, mode="mean")
+_TX = wa.WeightedMultiSteps(optax.sgd(1.0), 1, mode="mean")
 _J_UPDATE = jax.jit(
   lambda g, s, p, v: _TX.update(g, s, p, weight=2.0, next_loss_scale=v)
 )

@@ -39,7 +39,6 @@ from _conformance import place
 from _conformance import snapshot
 from _conformance import weight_ok
 import weighted_accum as wa
-from weighted_accum import distributed as dist
 
 G = host_grads()
 G64 = {k: np.asarray(v, np.float64) for k, v in G.items()}
@@ -122,7 +121,7 @@ def _skip_fn(updates, gradient_step, params):
 
 
 WRAPPERS = {
-  "weighted_multi_steps": lambda: wa.weighted_multi_steps(
+  "weighted_multi_steps": lambda: wa.WeightedMultiSteps(
     optax.sgd(1.0), 2, mode="sum"
   ),
   "WeightedMultiSteps": lambda: wa.WeightedMultiSteps(
@@ -282,8 +281,8 @@ def _dist_totals(w, reduce):
 
   def step(p, g):
     g = jax.tree.map(lambda x: x[0], g)  # this replica's: varying
-    s = dist.init(p, "data") if reduce == "window" else wa.init(p)
-    s = dist.accumulate_sum(s, g, w, "data", reduce=reduce)
+    s = wa.init(p, axis_name="data", reduce=reduce)
+    s = wa.accumulate_sum(s, g, w)
     return s.weight_hi[None], s.weight_lo[None], s.rejected[None]
 
   f = jax.shard_map(

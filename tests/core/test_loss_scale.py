@@ -468,12 +468,12 @@ def test_functional_pattern_window_by_window(variant):
 
 def _save(path, tree) -> None:
   with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
-    ckptr.save(path, args=wa.AccumSave(tree))
+    ckptr.save(path, args=wa.checkpoint.AccumSave(tree))
 
 
 def _restore(path, template):
   with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
-    return ckptr.restore(path, args=wa.AccumRestore(template))
+    return ckptr.restore(path, args=wa.checkpoint.AccumRestore(template))
 
 
 def _run_windows(state, scaler, flags, start):
@@ -524,12 +524,16 @@ def test_checkpoint_between_windows_restores_scale_and_tracker(tmp_path, stop):
 def test_checkpoint_of_a_scaler_alone_with_a_manager(tmp_path):
   scaler = wa.DynamicLossScale(2.0**20, growth_interval=5).adjust(True)
   with ocp.CheckpointManager(tmp_path) as mngr:
-    mngr.save(1, args=ocp.args.Composite(scaler=wa.AccumSave(scaler)))
+    mngr.save(
+      1, args=ocp.args.Composite(scaler=wa.checkpoint.AccumSave(scaler))
+    )
     mngr.wait_until_finished()
     out = mngr.restore(
       1,
       args=ocp.args.Composite(
-        scaler=wa.AccumRestore(wa.DynamicLossScale(1.0, growth_interval=5))
+        scaler=wa.checkpoint.AccumRestore(
+          wa.DynamicLossScale(1.0, growth_interval=5)
+        )
       ),
     )
   assert (float(out.scaler.scale), int(out.scaler.growth_tracker)) == (
@@ -612,7 +616,7 @@ def test_wrapper_skips_backs_off_grows_and_unscales_each_window(jit):
   rng = np.random.default_rng(3)
   mean_grads = rng.normal(size=(len(sizes), k, 4))
   scaler = wa.DynamicLossScale(2.0**10, growth_interval=2, min_scale=2.0**8)
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.sgd(lr), every_k_schedule=k, loss_scale=scaler, mode="mean"
   )
   params = {"w": jnp.zeros(4, jnp.float32)}
@@ -787,7 +791,7 @@ def test_wrapper_state_checkpoint_restores_the_scaler(tmp_path):
   """Property 4 with the wrapper: its state saved between windows comes back
   with the same scale and tracker, and the resumed run equals the
   uninterrupted one."""
-  tx = wa.weighted_multi_steps(
+  tx = wa.WeightedMultiSteps(
     optax.sgd(0.1),
     every_k_schedule=2,
     loss_scale=wa.DynamicLossScale(2.0**6, growth_interval=3),

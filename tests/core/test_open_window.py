@@ -157,7 +157,7 @@ def test_wrapper_discard_with_a_dynamic_scale_refuses_a_next_scale():
 def test_nnx_optimizer_peek_inside_and_outside_nnx_jit():
   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(
-    model, wa.weighted_multi_steps(optax.sgd(0.1), 3, mode="sum"), wrt=nnx.Param
+    model, wa.WeightedMultiSteps(optax.sgd(0.1), 3, mode="sum"), wrt=nnx.Param
   )
   _, params0 = nnx.split(model, nnx.Param)
   rng = np.random.default_rng(4)
@@ -193,10 +193,10 @@ def test_peek_mean_inside_shard_map_is_the_global_mean():
   m = np.array([[1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], np.float32)
 
   def per_replica(p, x, y, m):
-    s = wa.distributed.init(p, "data")
+    s = wa.init(p, axis_name="data")
     g = wa.distributed.local_grad(loss_sum, "data")(p, x[0], y[0], m[0])
-    s = wa.distributed.accumulate_sum(s, g, m[0].sum(), "data")
-    return wa.peek_mean(s, axis_name="data").grads
+    s = wa.accumulate_sum(s, g, m[0].sum())
+    return wa.peek_mean(s).grads
 
   got = jax.jit(
     jax.shard_map(

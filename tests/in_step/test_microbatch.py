@@ -506,7 +506,7 @@ def test_shard_map_aux_per_replica_and_accumulate_into_a_replica_window():
     st = wa.init(p)
     (_, n1), st = g.accumulate(st, p, b)
     (_, n2), st = g.accumulate(st, p, jax.tree.map(lambda x: x[::-1], b))
-    out, _ = wa.distributed.finish_mean(st, "data")
+    out, _ = wa.finish_mean(st)
     return out.grads, out.weight, jax.lax.psum(n1 + n2, "data")
 
   grads, weight, n = jax.jit(

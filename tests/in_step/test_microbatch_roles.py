@@ -124,14 +124,12 @@ def test_keyword_batches_axis_and_microbatch_size_match_optax():
 
   x = jnp.moveaxis(b["x"], 0, 2)  # (4, D, B): batch axis 2
   y, mask = b["y"].T, b["mask"].T  # (4, B): batch axis 1
-  common = dict(in_axes=(2, 1, 1))  # one per batch argument
+  common = dict(in_axes=(2, 1, 1))  # optax's: one per batch argument
   f = wa.microbatched_value_and_grad(
     loss,
     mode="sum",
     microbatch_size=4,
-    batch_argnums=1,
-    batch_argnames=("y", "mask"),
-    **common,
+    batch_argnums={1: 2, "y": 1, "mask": 1},  # argument -> batch axis
   )
   (loss_value, out) = jax.jit(f)(p, x, y=y, mask=mask, power=2)
   ref = _full(p, b)
@@ -156,7 +154,7 @@ def test_keyword_batch_only_needs_no_batch_argnums():
     lambda p, *, batch: sum_loss(p, batch),
     2,
     mode="sum",
-    batch_argnames="batch",
+    batch_argnums="batch",
   )
   assert rel_err(f(p, batch=b)[1].grads, _full(p, b)) < 1e-5
 
@@ -183,7 +181,7 @@ def test_any_batch_axis_and_split_equals_the_full_batch(ax, ay, k, split, seed):
   x = jnp.moveaxis(b["x"], 0, ax_pos)
   ym = tuple(jnp.moveaxis(b[key], 0, ay_pos) for key in ("y", "mask"))
   f = wa.microbatched_value_and_grad(
-    loss, k, mode="sum", batch_argnums=(1, 2), in_axes=(ax, ay), split=split
+    loss, k, mode="sum", batch_argnums={1: ax, 2: ay}, split=split
   )
   _, out = f(p, x, ym)
   assert rel_err(out.grads, _full(p, b)) < 1e-5
@@ -550,8 +548,10 @@ def test_state_inside_shard_map_is_per_replica():
     (dict(microbatch_size=4), "exactly one"),
     (dict(state_argnums=0), "both argnums and state_argnums"),
     (dict(key_argnums=1), "both batch_argnums and key_argnums"),
-    (dict(in_axes=(0, 1)), "in_axes"),
-    (dict(batch_argnames=3), "batch_argnames"),
+    (dict(batch_argnums={1: 0.5}), "batch axis of argument 1 is 0.5"),
+    (dict(batch_argnums=[1, 2.5]), "batch_argnums"),
+    (dict(in_axes=(0, 1)), r"batch_argnums=\{1: 0, 'mask': 1\}"),
+    (dict(batch_argnames="x"), "batch_argnums takes keyword names"),
     (dict(split="rows"), "split"),
     (dict(grads_dtype=jnp.int8), "grads_dtype='params'"),
     (dict(argnums=()), "nothing to differentiate"),
@@ -569,11 +569,13 @@ def test_configuration_errors_name_the_argument(kwargs, match):
 def test_call_errors_name_the_argument():
   p, b = _params(), _batch(16)
   kw = wa.microbatched_value_and_grad(
-    sum_loss, 4, mode="sum", batch_argnames="b", batch_argnums=()
+    sum_loss, 4, mode="sum", batch_argnums="b"
   )
   with pytest.raises(Error, match="no such keyword"):
     kw(p, b)
-  ax = wa.microbatched_value_and_grad(sum_loss, 4, mode="sum", in_axes=3)
+  ax = wa.microbatched_value_and_grad(
+    sum_loss, 4, mode="sum", batch_argnums={1: 3}
+  )
   with pytest.raises(Error, match="no batch axis 3"):
     ax(p, b)
   size = wa.microbatched_value_and_grad(sum_loss, mode="sum", microbatch_size=5)

@@ -94,10 +94,9 @@ def test_keyword_batch_on_axis_1_with_microbatch_size(name):
     _loss,
     mode="sum",
     microbatch_size=ROWS // K,
-    batch_argnames=("xs", "rows"),
-    in_axes=(1, 0),
+    batch_argnums={"xs": 1, "rows": 0},
     grads_dtype="params",
-    data_axes="data",
+    axis_name="data",
   )
   tag = "a string reaches loss_fn"
   with mesh.context():
@@ -130,7 +129,10 @@ def test_loss_terms_and_known_normalizer(name):
   batch = mesh.put({"x": xt, "y": y, "m": m}, P("data"))
   wp = mesh.put(w, mesh.specs)
   f = wa.microbatched_value_and_grad(
-    _terms_loss, K, mode="sum", data_axes="data"
+    _terms_loss,
+    K,
+    mode="sum",
+    axis_name="data",
   )
   step = jax.jit(lambda w, b: f(w, b, normalizers={"l2": float(ROWS)}))
   loss, out = step(wp, batch)
@@ -164,7 +166,7 @@ def test_random_keys_differ_across_replicas_and_microbatches():
     has_aux=True,
     batch_argnums=2,
     key_argnums=1,
-    data_axes="data",
+    axis_name="data",
   )
   (_, noise), out = jax.jit(f)(mesh.put(w, P()), jax.random.key(0), batch)
   noise = np.asarray(noise)  # [K, N, rows per replica per microbatch]
@@ -186,11 +188,10 @@ def test_accumulate_with_keyword_batch_into_a_stacked_window():
     _loss,
     K,
     mode="sum",
-    batch_argnames=("xs", "rows"),
-    in_axes=(1, 0),
-    data_axes="data",
+    batch_argnums={"xs": 1, "rows": 0},
+    axis_name="data",
   )
-  state = dist.init({"w": params["w"]}, "data")
+  state = wa.init({"w": params["w"]}, axis_name="data")
   tag = "a string reaches loss_fn"
 
   @jax.jit
@@ -205,9 +206,7 @@ def test_accumulate_with_keyword_batch_into_a_stacked_window():
     state, wsum = mid(state, params["w"], xs, rows)
     assert wsum.shape == (N,)
   tx = optax.sgd(1.0)
-  close = jax.jit(
-    lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name="data")
-  )
+  close = jax.jit(lambda s, p, o: wa.apply_window(tx, s, p, o))
   p = {"w": params["w"]}
   new, _, _, out = close(state, p, tx.init(p))
   ref = _ref_grad(
@@ -243,7 +242,11 @@ def test_refused_roles_are_named(kw, match):
     else (lambda w, b: (jnp.sum(b["m"] * (b["x"] @ w) ** 2), jnp.sum(b["m"])))
   )
   f = wa.microbatched_value_and_grad(
-    loss, K, mode="sum", data_axes="data", **kw
+    loss,
+    K,
+    **kw,
+    mode="sum",
+    axis_name="data",
   )
   args = (w, jnp.int32(0), batch) if "state_argnums" in kw else (w, batch)
   with pytest.raises(Error, match=match):
@@ -258,7 +261,7 @@ def test_microbatch_size_not_splitting_over_replicas_is_refused():
     lambda w, b: (jnp.sum(b["m"] * (b["x"] @ w) ** 2), jnp.sum(b["m"])),
     mode="sum",
     microbatch_size=ROWS // 8 // 2 * 3,  # 3: K = 10 does not divide 32 / 8
-    data_axes="data",
+    axis_name="data",
   )
   with pytest.raises(Error, match=r"divisible by"):
     jax.jit(f)(w, batch)
@@ -280,7 +283,10 @@ def test_normalizers_are_checked_before_the_shard_map(bad):
   mesh = MESHES["auto"]()
   w, batch = _plain_batch(mesh)
   f = wa.microbatched_value_and_grad(
-    _plain_loss, K, mode="sum", data_axes="data"
+    _plain_loss,
+    K,
+    mode="sum",
+    axis_name="data",
   )
   with pytest.raises(Error, match=r"normaliser"):
     f(w, batch, normalizers=jnp.float32(bad))
@@ -296,7 +302,7 @@ def test_keys_are_checked_before_they_are_folded(key):
     K,
     mode="sum",
     key_argnums=2,
-    data_axes="data",
+    axis_name="data",
   )
   with pytest.raises(Error, match=r"PRNG key"):
     f(w, batch, key)
@@ -307,7 +313,10 @@ def test_microbatch_size_is_enforced_as_without_data_axes(size):
   mesh = MESHES["auto"]()
   w, batch = _plain_batch(mesh)
   f = wa.microbatched_value_and_grad(
-    _plain_loss, mode="sum", microbatch_size=size, data_axes="data"
+    _plain_loss,
+    mode="sum",
+    microbatch_size=size,
+    axis_name="data",
   )
   with pytest.raises(Error, match=rf"microbatch_size={size}"):
     f(w, batch)
@@ -317,9 +326,14 @@ def test_accumulate_refuses_a_window_stacked_for_another_replica_count():
   mesh = MESHES["auto"]()
   w, batch = _plain_batch(mesh)
   small = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
-  state = dist.init(jax.device_put(w, NamedSharding(small, P())), "data")
+  state = wa.init(
+    jax.device_put(w, NamedSharding(small, P())), axis_name="data"
+  )
   f = wa.microbatched_value_and_grad(
-    _plain_loss, K, mode="sum", data_axes="data"
+    _plain_loss,
+    K,
+    mode="sum",
+    axis_name="data",
   )
   with pytest.raises(Error, match=r"leading replica axis of 8"):
     f.accumulate(state, w, batch)
@@ -334,18 +348,21 @@ def test_peek_mean_refuses_a_stacked_window_and_reads_it_per_block():
   batch = mesh.put({"x": x.T, "y": y, "m": m}, P("data"))
   wp = mesh.put(w, P())
   f = wa.microbatched_value_and_grad(
-    _plain_loss, K, mode="sum", data_axes="data"
+    _plain_loss,
+    K,
+    mode="sum",
+    axis_name="data",
   )
   state = jax.jit(lambda s, w, b: f.accumulate(s, w, b)[1])(
-    dist.init(wp, "data"), wp, batch
+    wa.init(wp, axis_name="data"), wp, batch
   )
   for peek in (wa.peek_mean, jax.jit(wa.peek_mean)):
     with pytest.raises(Error, match=r"per replica, stacked"):
       peek(state)
-  sp = dist.window_specs(state, "data")
+  sp = dist.window_specs(state)
   read = jax.jit(
     jax.shard_map(
-      lambda s: wa.peek_mean(s, axis_name="data").grads,
+      lambda s: wa.peek_mean(s).grads,
       mesh=mesh.mesh,
       in_specs=(sp,),
       out_specs=P(),

@@ -78,10 +78,10 @@ def _explicit_step(grads_way: str, kind: str, reduce: str):
   f = common.loss_sum if kind == "sum" else common.loss_mean
 
   def body(params, x, y, m):
-    if reduce == "window" and grads_way != "novma":
-      state = dist.init(params, "data")
+    if grads_way == "core" and reduce == "microbatch":
+      state = wa.init(params)  # a global window of local sums: reduce_sums
     else:
-      state = wa.init(params)
+      state = wa.init(params, axis_name="data", reduce=reduce)
 
     def microbatch(state, inp):
       xi, yi, mi = inp
@@ -90,18 +90,15 @@ def _explicit_step(grads_way: str, kind: str, reduce: str):
         g = dist.local_grad(f, "data")(params, xi, yi, mi)
       else:
         g = jax.grad(f)(params, xi, yi, mi)
-      if grads_way == "core":
-        acc = wa.accumulate_sum if kind == "sum" else wa.accumulate_mean
-        return acc(state, g, n), None
-      acc = dist.accumulate_sum if kind == "sum" else dist.accumulate_mean
-      return acc(state, g, n, "data", reduce=reduce), None
+      acc = wa.accumulate_sum if kind == "sum" else wa.accumulate_mean
+      return acc(state, g, n), None
 
     state, _ = jax.lax.scan(microbatch, state, (x, y, m))
     if grads_way == "core":
       local, _ = wa.finish_sums(state)
       out = dist.reduce_sums(local, "data")
     else:
-      out, _ = dist.finish_mean(state, "data", reduce=reduce)
+      out, _ = wa.finish_mean(state)
     # Flags are returned per replica to check they agree everywhere.
     flags = jnp.stack([out.valid, out.finite])[None]
     if grads_way != "novma":
@@ -162,17 +159,15 @@ def test_reduced_mean_with_equal_counts(params):
   x, y, m = common.make_data(1, K, R, B, zero_prob=0.0)
   m = np.ones_like(m)
   mesh = _mesh1d()
-  for reduce in dist.REDUCE_MODES:
+  for reduce in ("window", "microbatch"):
 
     def body(params, x, y, m, reduce=reduce):
-      state = (
-        dist.init(params, "data") if reduce == "window" else wa.init(params)
-      )
+      state = wa.init(params, axis_name="data", reduce=reduce)
       for k in range(K):
         g = jax.grad(common.loss_mean)(params, x[k], y[k], m[k])
         assert dist.is_reduced(g, "data")
-        state = dist.accumulate_mean(state, g, B, "data", reduce=reduce)
-      return dist.finish_mean(state, "data", reduce=reduce)[0].grads
+        state = wa.accumulate_mean(state, g, B)
+      return wa.finish_mean(state)[0].grads
 
     spec = P(None, "data")
     got = jax.jit(
@@ -193,10 +188,10 @@ def test_reduced_mean_with_unequal_counts_raises(params):
 
   def body(params, x, y, m):
     g = jax.grad(common.loss_mean)(params, x[0], y[0], m[0])
-    state = dist.accumulate_mean(
-      dist.init(params, "data"), g, jnp.sum(m[0]), "data"
+    state = wa.accumulate_mean(
+      wa.init(params, axis_name="data"), g, jnp.sum(m[0])
     )
-    return dist.finish_mean(state, "data")[0].grads
+    return wa.finish_mean(state)[0].grads
 
   spec = P(None, "data")
   with pytest.raises(wa.WeightedAccumulationError, match="local_grad"):
@@ -309,8 +304,8 @@ def test_non_finite_on_one_replica_is_reported_on_every_replica():
   g[5, 1] = np.inf
 
   def body(params, g):
-    s = dist.accumulate_sum(dist.init(params, "data"), {"w": g[0]}, 2.0, "data")
-    out, _ = dist.finish_mean(s, "data")
+    s = wa.accumulate_sum(wa.init(params, axis_name="data"), {"w": g[0]}, 2.0)
+    out, _ = wa.finish_mean(s)
     return out.weight, _per_replica(jnp.stack([out.finite, out.valid]))
 
   weight, flags = _run_flags(body, params, g)
@@ -323,9 +318,9 @@ def test_zero_global_weight_gives_zeros_invalid_and_keeps_counters():
   g = np.full((R, 3), np.nan, np.float32)  # 0/0 means, all weight 0
 
   def body(params, g):
-    s = dist.init(params, "data")
-    s = dist.accumulate_mean(s, {"w": g[0]}, 0.0, "data")
-    out, new = dist.finish_mean(s, "data")
+    s = wa.init(params, axis_name="data")
+    s = wa.accumulate_mean(s, {"w": g[0]}, 0.0)
+    out, new = wa.finish_mean(s)
     row = jnp.stack(
       [
         out.valid.astype(jnp.float32),
@@ -342,7 +337,7 @@ def test_zero_global_weight_gives_zeros_invalid_and_keeps_counters():
   assert int(issued) == R
 
 
-@pytest.mark.parametrize("reduce", dist.REDUCE_MODES)
+@pytest.mark.parametrize("reduce", ("window", "microbatch"))
 def test_invalid_weight_is_rejected(reduce):
   """A NaN weight on one replica: reduced now (microbatch mode) it rejects
   the microbatch everywhere; in window mode only on its replica."""
@@ -351,13 +346,11 @@ def test_invalid_weight_is_rejected(reduce):
   w[3] = np.nan
 
   def body(params, w):
-    s = dist.init(params, "data") if reduce == "window" else wa.init(params)
+    s = wa.init(params, axis_name="data", reduce=reduce)
     g = {"w": jnp.full((2,), 3.0) + 0.0 * w[0]}  # local; NaN on replica 3
-    s = dist.accumulate_sum(s, g, w[0], "data", reduce=reduce)
-    s = dist.accumulate_sum(
-      s, jax.tree.map(jnp.ones_like, g), 1.0, "data", reduce=reduce
-    )
-    out, _ = dist.finish_mean(s, "data", reduce=reduce)
+    s = wa.accumulate_sum(s, g, w[0])
+    s = wa.accumulate_sum(s, jax.tree.map(jnp.ones_like, g), 1.0)
+    out, _ = wa.finish_mean(s)
     return out.grads["w"], _per_replica(s.rejected)
 
   grads, rejected = _run_flags(body, params, w)
@@ -372,7 +365,7 @@ def test_invalid_weight_is_rejected(reduce):
     )
 
 
-@pytest.mark.parametrize("reduce", dist.REDUCE_MODES)
+@pytest.mark.parametrize("reduce", ("window", "microbatch"))
 @pytest.mark.parametrize("kind", ["sum", "mean"])
 def test_nan_grads_of_an_empty_replica_add_nothing(reduce, kind):
   """Replica 2's microbatch is empty: its mean-loss gradient is 0/0 = NaN
@@ -384,10 +377,10 @@ def test_nan_grads_of_an_empty_replica_add_nothing(reduce, kind):
   g[2], w[2] = np.nan, 0.0
 
   def body(params, g, w):
-    s = dist.init(params, "data") if reduce == "window" else wa.init(params)
-    acc = dist.accumulate_sum if kind == "sum" else dist.accumulate_mean
-    s = acc(s, {"w": g[0]}, w[0], "data", reduce=reduce)
-    out, _ = dist.finish_mean(s, "data", reduce=reduce)
+    s = wa.init(params, axis_name="data", reduce=reduce)
+    acc = wa.accumulate_sum if kind == "sum" else wa.accumulate_mean
+    s = acc(s, {"w": g[0]}, w[0])
+    out, _ = wa.finish_mean(s)
     return out.grads["w"], _per_replica(jnp.stack([out.valid, out.finite]))
 
   grads, flags = _run_flags(body, params, g, w)
@@ -408,15 +401,15 @@ def test_window_state_is_a_scan_carry_across_windows(params):
     def window(state, xyz):
       def microbatch(state, inp):
         g = dist.local_grad(common.loss_sum, "data")(params, *inp)
-        return dist.accumulate_sum(state, g, jnp.sum(inp[2]), "data"), None
+        return wa.accumulate_sum(state, g, jnp.sum(inp[2])), None
 
       state, _ = jax.lax.scan(microbatch, state, xyz)
-      out, state = dist.finish_mean(state, "data")
+      out, state = wa.finish_mean(state)
       return state, out.grads
 
     shape = lambda a: a.reshape(windows, K, *a.shape[1:])
     state, grads = jax.lax.scan(
-      window, dist.init(params, "data"), (shape(x), shape(y), shape(m))
+      window, wa.init(params, axis_name="data"), (shape(x), shape(y), shape(m))
     )
     return grads, state.windows
 
@@ -451,42 +444,23 @@ def test_errors_name_what_is_wrong():
   def mixed(p, x):
     pv = {"a": jax.lax.pcast(p["a"], "data", to="varying"), "b": p["b"]}
     g = jax.grad(loss)(pv, x[0])
-    dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
+    wa.accumulate_sum(wa.init(p, axis_name="data"), g, 1.0)
     return p["a"]
 
   with pytest.raises(wa.WeightedAccumulationError, match=r"\['b'\]"):
     call(mixed)
 
   def bad_reduce(p, x):
-    g = dist.local_grad(loss, "data")(p, x[0])
-    dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data", reduce="step")
+    wa.init(p, axis_name="data", reduce="step")
     return p["a"]
 
   with pytest.raises(wa.WeightedAccumulationError, match="reduce='step'"):
     call(bad_reduce)
 
-  def mode_mix(p, x):
-    g = dist.local_grad(loss, "data")(p, x[0])
-    s = dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
-    dist.accumulate_sum(s, g, 1.0, "data", reduce="microbatch")
-    return p["a"]
-
-  with pytest.raises(wa.WeightedAccumulationError, match="per-replica sums"):
-    call(mode_mix)
-
-  def finish_mix(p, x):
-    g = dist.local_grad(loss, "data")(p, x[0])
-    s = dist.accumulate_sum(dist.init(p, "data"), g, 1.0, "data")
-    dist.finish_mean(s, "data", reduce="microbatch")
-    return p["a"]
-
-  with pytest.raises(wa.WeightedAccumulationError, match="reduce='window'"):
-    call(finish_mix)
-
   def varying_scale(p, x):
-    s = wa.init(p, loss_scale=2.0)
+    s = wa.init(p, loss_scale=2.0, axis_name="data")
     s = s.replace(loss_scale=jax.lax.pcast(s.loss_scale, "data", to="varying"))
-    dist.finish_mean(s, "data")
+    wa.finish_mean(s)
     return p["a"]
 
   with pytest.raises(wa.WeightedAccumulationError, match="loss scale"):
@@ -494,8 +468,8 @@ def test_errors_name_what_is_wrong():
 
   with pytest.raises(wa.WeightedAccumulationError, match="not bound"):
     dist.local_grad(loss, "data")(params, jnp.ones(2))
-  with pytest.raises(wa.WeightedAccumulationError, match="not bound"):
-    dist.finish_mean(wa.init(params), "data")
+  with pytest.raises(wa.WeightedAccumulationError, match="data"):
+    wa.init(params, axis_name="data")  # outside shard_map: on no such mesh
 
 
 # ------------------------------------------------------------ implicit style
@@ -638,11 +612,11 @@ def test_explicit_fsdp_2d_mesh_equals_full_batch(params):
     return jnp.sum(m * (pred - y) ** 2)
 
   def body(params, x, y, m):
-    state = dist.init(params, "data")
+    state = wa.init(params, axis_name="data")
     for k in range(K):
       g = dist.local_grad(local_loss_sum, "data")(params, x[k], y[k], m[k])
-      state = dist.accumulate_sum(state, g, jnp.sum(m[k]), "data")
-    out, _ = dist.finish_mean(state, "data")
+      state = wa.accumulate_sum(state, g, jnp.sum(m[k]))
+    out, _ = wa.finish_mean(state)
     return out.grads, out.weight
 
   spec = P(None, "data")
@@ -758,7 +732,10 @@ def _data_axes_bytes(x, y, m) -> int:
   )
   f = jax.jit(
     wa.microbatched_value_and_grad(
-      common.loss_of_batch, common.MP_K, mode="sum", data_axes="data"
+      common.loss_of_batch,
+      common.MP_K,
+      mode="sum",
+      axis_name="data",
     )
   )
   compiled = f.lower(params, batch).compile()
@@ -815,7 +792,7 @@ def test_optax_wrapper_multi_device_equals_single_device(style, mode):
       lambda s: NamedSharding(mesh, s), _model_sharded_specs()
     )
     p = jax.device_put(params, p_sh)
-    tx = wa.weighted_multi_steps(_sgd(), every_k_schedule=K, mode=mode)
+    tx = wa.WeightedMultiSteps(_sgd(), every_k_schedule=K, mode=mode)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(p, opt_state, x, y, m):
@@ -827,7 +804,7 @@ def test_optax_wrapper_multi_device_equals_single_device(style, mode):
   else:
     mesh = _mesh1d()
     p = jax.device_put(params, NamedSharding(mesh, P()))
-    tx = wa.weighted_multi_steps(
+    tx = wa.WeightedMultiSteps(
       _sgd(), every_k_schedule=K, mode=mode, axis_name="data"
     )
 
@@ -900,10 +877,10 @@ def test_core_accumulate_refuses_autodiff_reduced_grads_with_local_weight():
 
   def dist_step(p, x):
     g = jax.grad(loss)(p, x)
-    s = dist.accumulate_sum(
-      wa.init(p), g, jnp.sum(x >= 0).astype(jnp.float32), "data"
+    s = wa.accumulate_sum(
+      wa.init(p, axis_name="data"), g, jnp.sum(x >= 0).astype(jnp.float32)
     )
-    return dist.finish_mean(s, "data")[0].grads
+    return wa.finish_mean(s)[0].grads
 
   run = lambda f: jax.jit(
     jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())

@@ -44,14 +44,12 @@ def _weight_step():
 
   def step(w):
     zero = jax.lax.pcast(jnp.zeros(()), "data", to="varying")
-    per = dist.init({"g": jnp.zeros(())}, "data")
-    glob = wa.init({"g": jnp.zeros(())})
+    per = wa.init({"g": jnp.zeros(())}, axis_name="data")
+    glob = wa.init({"g": jnp.zeros(())}, axis_name="data", reduce="microbatch")
     for i in range(w.shape[1]):
-      per = dist.accumulate_sum(per, {"g": zero}, w[0, i], "data")
-      glob = dist.accumulate_sum(
-        glob, {"g": zero}, w[0, i], "data", reduce="microbatch"
-      )
-    out, _ = dist.finish_mean(per, "data")
+      per = wa.accumulate_sum(per, {"g": zero}, w[0, i])
+      glob = wa.accumulate_sum(glob, {"g": zero}, w[0, i])
+    out, _ = wa.finish_mean(per)
     summed = dist.reduce_sums(wa.finish_sums(per)[0], "data")
     return out.weight, summed.weight, glob.weight_hi, glob.weight_lo
 
@@ -97,10 +95,10 @@ def test_cross_replica_weights_ride_the_gradient_all_reduce():
   grads = {"a": jnp.zeros((N, 25)), "b": jnp.zeros((N, 3, 25))}
 
   def step(g, w):
-    per = dist.init(jax.tree.map(lambda x: x[0], g), "data")
+    per = wa.init(jax.tree.map(lambda x: x[0], g), axis_name="data")
     local = jax.tree.map(lambda x: x[0], g)
-    per = dist.accumulate_sum(per, local, w[0], "data")
-    return dist.finish_mean(per, "data")[0]
+    per = wa.accumulate_sum(per, local, w[0])
+    return wa.finish_mean(per)[0]
 
   f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P()))
   c = f.lower(grads, jnp.ones(N)).compile()
@@ -342,9 +340,9 @@ def _in_step(name, fsdp, k, mode, has_aux=False):
       k,
       mode=mode,
       has_aux=has_aux,
-      data_axes=style.data_axes,
-      param_specs=specs,
-      fsdp=fsdp,
+      axis_name=wa.distributed.DataParallel(
+        style.data_axes, param_specs=specs, fsdp=fsdp
+      ),
     )
   )
   with style.context():
@@ -454,7 +452,11 @@ def test_traced_number_of_real_microbatches_reduces_once():
   style = _style("auto")
   params, batch = style.put(_params_np(), _batch_np())
   f = wa.microbatched_value_and_grad(
-    _loss_sum, k, mode="sum", data_axes="data", split="strided"
+    _loss_sum,
+    k,
+    mode="sum",
+    axis_name="data",
+    split="strided",
   )
   g = jax.jit(lambda p, b, n: f(p, b, num_real_microbatches=n))
   stats = hlo.hlo_stats(
@@ -501,7 +503,12 @@ def test_fsdp_options_trade_bytes_for_memory():
   for fsdp in ("gather_once", "scatter_each"):
     f = jax.jit(
       wa.microbatched_value_and_grad(
-        loss, 8, mode="sum", data_axes="data", param_specs=specs, fsdp=fsdp
+        loss,
+        8,
+        mode="sum",
+        axis_name=wa.distributed.DataParallel(
+          "data", param_specs=specs, fsdp=fsdp
+        ),
       )
     )
     c = f.lower(params, batch).compile()
@@ -554,7 +561,10 @@ def test_explicit_batch_must_be_sharded_over_the_data_axes():
   with style.context():
     batch = jax.device_put(_batch_np(), NamedSharding(style.mesh, P()))
     f = wa.microbatched_value_and_grad(
-      _loss_sum, 2, mode="sum", data_axes="data"
+      _loss_sum,
+      2,
+      mode="sum",
+      axis_name="data",
     )
     with pytest.raises(wa.WeightedAccumulationError, match="exactly the data"):
       jax.jit(f)(params, batch)
@@ -615,17 +625,16 @@ def test_across_steps_under_jit_reduce_once_per_window(name, k):
     style.loss("sum"),
     k,
     mode="sum",
-    data_axes=style.data_axes,
-    param_specs=specs,
+    axis_name=wa.distributed.DataParallel(style.data_axes, param_specs=specs),
   )
   mid = jax.jit(f.accumulate, donate_argnums=0)
   close = jax.jit(
-    lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name=style.data_axes),
+    lambda s, p, o: wa.apply_window(tx, s, p, o),
     donate_argnums=(0, 1, 2),
   )
   groups = style.groups()
   with style.context():
-    state = dist.init(params, style.data_axes)
+    state = wa.init(params, axis_name=style.data_axes)
     opt = tx.init(params)
     for w in range(windows):
       for c in range(calls):
@@ -670,8 +679,8 @@ def test_across_steps_in_shard_map_reduce_once_per_window():
   mesh, tx, k = style.mesh, _adam(), 2
   batches = [_batch_np(seed=10 + i) for i in range(4)]
   params, _ = style.put(_params_np(), batches[0])
-  state = dist.init(params, "data")
-  sp = dist.window_specs(state, "data")
+  state = wa.init(params, axis_name="data")
+  sp = dist.window_specs(state)
   f = wa.microbatched_value_and_grad(_loss_sum, k, mode="sum", axis_name="data")
 
   def by_f(s, p, b):
@@ -679,14 +688,14 @@ def test_across_steps_in_shard_map_reduce_once_per_window():
 
   def by_grad(s, p, b):
     g = dist.local_grad(lambda p, b: _loss_sum(p, b)[0], "data")(p, b)
-    return dist.accumulate_sum(s, g, jnp.sum(b["m"]), "data")
+    return wa.accumulate_sum(s, g, jnp.sum(b["m"]))
 
   def sm(fn, ins, outs):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=ins, out_specs=outs))
 
   mids = [sm(fn, (sp, P(), P("data")), sp) for fn in (by_f, by_grad)]
   close = sm(
-    lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name="data"),
+    lambda s, p, o: wa.apply_window(tx, s, p, o),
     (sp, P(), P()),
     (P(), P(), sp, P()),
   )
@@ -702,7 +711,7 @@ def test_across_steps_in_shard_map_reduce_once_per_window():
       s = hlo.hlo_stats(close.lower(state, params, opt).compile())
       assert s.count() == 1
       assert s.nbytes() == hlo.tree_bytes(params) + 4 * CLOSE_SCALARS
-      fin = jax.jit(lambda s: dist.finish_mean(s, "data"))
+      fin = jax.jit(lambda s: wa.finish_mean(s))
       s = hlo.hlo_stats(fin.lower(state).compile())
       assert s.count() == 1
       out, nxt = fin(state)
@@ -722,12 +731,17 @@ def test_an_empty_stacked_window_stays_open():
   batch = _batch_np()
   batch["m"][:] = 0
   params, b = style.put(_params_np(), batch)
-  f = wa.microbatched_value_and_grad(_loss_sum, 2, mode="sum", data_axes="data")
-  state = dist.init(params, "data")
+  f = wa.microbatched_value_and_grad(
+    _loss_sum,
+    2,
+    mode="sum",
+    axis_name="data",
+  )
+  state = wa.init(params, axis_name="data")
   _, state = jax.jit(f.accumulate)(state, params, b)
   opt = tx.init(params)
   new_p, _, new_state, out = jax.jit(
-    lambda s, p, o: wa.apply_window(tx, s, p, o, axis_name="data")
+    lambda s, p, o: wa.apply_window(tx, s, p, o)
   )(state, params, opt)
   assert not bool(out.valid) and float(out.weight) == 0
   assert int(new_state.windows) == 0
@@ -738,7 +752,7 @@ def test_an_empty_stacked_window_stays_open():
 def test_stacked_windows_are_refused_where_they_do_not_belong():
   style = _style("auto")
   params, b = style.put(_params_np(), _batch_np())
-  state = dist.init(params, "data")
+  state = wa.init(params, axis_name="data")
   grads = jax.tree.map(jnp.zeros_like, params)
   with pytest.raises(wa.WeightedAccumulationError, match="stacked over 8"):
     wa.accumulate_sum(state, grads, 1.0)
@@ -746,16 +760,21 @@ def test_stacked_windows_are_refused_where_they_do_not_belong():
     wa.finish_mean(state)
   with pytest.raises(wa.WeightedAccumulationError, match="axis_name"):
     wa.apply_window(_adam(), state, params, _adam().init(params))
-  f = wa.microbatched_value_and_grad(_loss_sum, 2, mode="sum", data_axes="data")
+  f = wa.microbatched_value_and_grad(
+    _loss_sum,
+    2,
+    mode="sum",
+    axis_name="data",
+  )
   with pytest.raises(wa.WeightedAccumulationError, match="distributed.init"):
     jax.jit(f.accumulate)(wa.init(params), params, b)
   g = wa.microbatched_value_and_grad(
     _loss_sum,
     2,
     mode="sum",
-    data_axes="data",
-    param_specs=FSDP,
-    fsdp="scatter_each",
+    axis_name=wa.distributed.DataParallel(
+      "data", param_specs=FSDP, fsdp="scatter_each"
+    ),
   )
   with pytest.raises(wa.WeightedAccumulationError, match="gather_once"):
     jax.jit(g.accumulate)(state, params, b)

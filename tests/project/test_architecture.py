@@ -86,6 +86,109 @@ def test_public_names_are_one_hop_from_the_package():
       assert getattr(ns, name) is not None
 
 
+def _public_objects():
+  """(namespace.name, object) of every public name of the three
+  namespaces (the two submodules themselves not counted)."""
+  out = []
+  for ns, label in (
+    (wa, "weighted_accum"),
+    (wa.distributed, "weighted_accum.distributed"),
+    (wa.checkpoint, "weighted_accum.checkpoint"),
+  ):
+    for name in ns.__all__:
+      obj = getattr(ns, name)
+      if obj not in (wa.distributed, wa.checkpoint):
+        out.append((f"{label}.{name}", obj))
+  return out
+
+
+def test_public_surface_is_small_and_each_name_means_one_thing():
+  objs = _public_objects()
+  assert len(objs) <= 32, [n for n, _ in objs]
+  short = {}
+  for full, _ in objs:
+    name = full.rsplit(".", 1)[1]
+    assert name not in short, f"{name} is public twice: {short[name]}, {full}"
+    short[name] = full
+
+
+def _parameters(obj) -> list[tuple[str, int]]:
+  """(where, number of parameters) of a public callable and, for a class,
+  its constructor and public methods."""
+  import inspect
+
+  def count(fn):
+    sig = inspect.signature(fn)
+    return len([q for q in sig.parameters.values() if q.name != "self"])
+
+  if inspect.isclass(obj) and issubclass(obj, Exception):
+    return []
+  if inspect.isclass(obj):
+    found = [("__init__", count(obj))]
+    for name, member in vars(obj).items():
+      if callable(member) and not name.startswith("_"):
+        found.append((name, count(member)))
+    return found
+  return [("", count(obj))] if callable(obj) else []
+
+
+def test_no_public_callable_takes_more_than_14_parameters():
+  for full, obj in _public_objects():
+    for where, n in _parameters(obj):
+      assert n <= 14, f"{full}{'.' + where if where else ''}: {n} parameters"
+
+
+def _import_graph() -> dict[str, set[str]]:
+  graph = {_module_name(p): _imports(p) for p in MODULES}
+  inits = {_module_name(p) for p in MODULES if p.name == "__init__.py"}
+  return {
+    m: {d for d in deps if d not in inits and d in graph}
+    for m, deps in graph.items()
+    if m not in inits
+  }
+
+
+def test_import_chains_are_at_most_7_modules_deep():
+  graph = _import_graph()
+  depth: dict[str, int] = {}
+
+  def longest(m):
+    if m not in depth:
+      depth[m] = 1 + max((longest(d) for d in graph[m]), default=0)
+    return depth[m]
+
+  deepest = max(graph, key=longest)
+  assert longest(deepest) <= 7, (deepest, longest(deepest))
+
+
+def test_design_notes_map_every_module():
+  design = (PKG.parent / "docs" / "design.md").read_text()
+  for path in MODULES:
+    if path.name == "__init__.py" or path.parent == PKG:
+      continue
+    rel = path.relative_to(PKG / "_src").with_suffix("").as_posix()
+    assert f"`{rel}`" in design or f"`{rel}`," in design, rel
+
+
+def test_removed_spellings_are_refused_naming_the_new_one():
+  for ns, name, new in [
+    (wa, "weighted_multi_steps", "WeightedMultiSteps"),
+    (wa, "AccumSave", "checkpoint.AccumSave"),
+    (wa, "local_grad", "distributed.local_grad"),
+    (wa.distributed, "init", "weighted_accum.init"),
+    (wa.distributed, "finish_mean", "weighted_accum.finish_mean"),
+  ]:
+    with pytest.raises(AttributeError, match=new):
+      getattr(ns, name)
+  state = wa.init(PARAMS)
+  with pytest.raises(wa.WeightedAccumulationError, match="wa.init"):
+    wa.peek_mean(state, axis_name="data")
+  with pytest.raises(wa.WeightedAccumulationError, match="DataParallel"):
+    wa.microbatched_value_and_grad(lambda p, b: 0, 2, mode="sum", fsdp="x")
+  with pytest.raises(wa.WeightedAccumulationError, match="batch_argnums"):
+    wa.microbatched_value_and_grad(lambda p, b: 0, 2, mode="sum", in_axes=1)
+
+
 def _code_lines(node) -> int:
   n = node.end_lineno - node.lineno + 1
   body = node.body
@@ -175,8 +278,8 @@ def test_every_weight_reaches_the_validation_module(monkeypatch, call):
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
 
     def step(p, g):
-      s = wa.distributed.init(p, "data")
-      return wa.distributed.accumulate_sum(s, g, w, "data").issued
+      s = wa.init(p, axis_name="data")
+      return wa.accumulate_sum(s, g, w).issued
 
     jax.shard_map(
       step,
@@ -229,9 +332,9 @@ def test_every_loss_scale_reaches_the_validation_module(monkeypatch, call):
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
 
     def step(p, g):
-      s = wa.distributed.init(p, "data")
-      s = wa.distributed.accumulate_sum(s, g, 2.0, "data")
-      out, _ = wa.distributed.finish_mean(s, "data", next_loss_scale=ls)
+      s = wa.init(p, axis_name="data")
+      s = wa.accumulate_sum(s, g, 2.0)
+      out, _ = wa.finish_mean(s, next_loss_scale=ls)
       return out.weight
 
     jax.shard_map(

@@ -117,7 +117,7 @@ def _compiled_step(kind: str, layers: int) -> str:
   if kind == "multisteps":
     tx, kw = optax.MultiSteps(inner, 4), {}
   else:
-    tx, kw = wa.weighted_multi_steps(inner, 4, mode="mean"), {"weight": 2.0}
+    tx, kw = wa.WeightedMultiSteps(inner, 4, mode="mean"), {"weight": 2.0}
 
   def step(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params, **kw)

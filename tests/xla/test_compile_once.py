@@ -24,7 +24,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 import weighted_accum as wa
-from weighted_accum import distributed as dist
 
 MESH = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
@@ -104,13 +103,15 @@ def test_restored_state_step_compiles_once(template, placement):
   params = _params(placement)
   state = wa.accumulate_sum(wa.init(params), params, 5.0)
   tmpl = (
-    wa.init(params) if template == "concrete" else wa.abstract_state(params)
+    wa.init(params)
+    if template == "concrete"
+    else wa.checkpoint.abstract_state(params)
   )
   with tempfile.TemporaryDirectory() as d, ocp.CheckpointManager(d) as mngr:
-    mngr.save(1, args=ocp.args.Composite(accum=wa.AccumSave(state)))
+    mngr.save(1, args=ocp.args.Composite(accum=wa.checkpoint.AccumSave(state)))
     mngr.wait_until_finished()
     restored = mngr.restore(
-      1, args=ocp.args.Composite(accum=wa.AccumRestore(tmpl))
+      1, args=ocp.args.Composite(accum=wa.checkpoint.AccumRestore(tmpl))
     ).accum
   assert _compiles(_accumulate_step(), restored, params) == 1
 
@@ -118,9 +119,7 @@ def test_restored_state_step_compiles_once(template, placement):
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_wrapper_step_compiles_once(placement):
   params = _params(placement)
-  tx = wa.weighted_multi_steps(
-    optax.adamw(1e-3), every_k_schedule=2, mode="mean"
-  )
+  tx = wa.WeightedMultiSteps(optax.adamw(1e-3), every_k_schedule=2, mode="mean")
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state):
@@ -153,11 +152,11 @@ def test_distributed_state_step_compiles_once():
   params = _params("replicated")
 
   def born(p):
-    return dist.init(p, "data")
+    return wa.init(p, axis_name="data")
 
   def micro(state, p):
     g = jax.tree.map(lambda x: x * 2, p)
-    return dist.accumulate_sum(state, g, 1.0, "data"), p
+    return wa.accumulate_sum(state, g, 1.0), p
 
   sm = functools.partial(jax.shard_map, mesh=MESH, check_vma=False)
   make = jax.jit(sm(born, in_specs=P(), out_specs=P()))

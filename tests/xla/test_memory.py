@@ -135,7 +135,7 @@ def test_wrapper_mid_window_step_is_in_place_without_temporaries(inner):
   updated in place and nothing parameter-sized is allocated: the zero updates
   are a select over the buffers that XLA fuses into apply_updates, and the
   inner state goes through the window's lax.cond without a copy."""
-  tx = wa.weighted_multi_steps(inner, 4, mode="mean")
+  tx = wa.WeightedMultiSteps(inner, 4, mode="mean")
   grads = _tree(jnp.float32, 1)
   # Donate the state exactly as init returns it: every leaf must be its own
   # buffer for that to work.
@@ -190,7 +190,7 @@ def test_wrapper_step_peak_is_a_bare_step_plus_the_buffers(closing):
     .lower(_fresh_copy(PARAMS), inner.init(PARAMS), grads)
     .compile()
   )
-  tx = wa.weighted_multi_steps(inner, 4, mode="mean")
+  tx = wa.WeightedMultiSteps(inner, 4, mode="mean")
 
   def step(params, opt_state, g, w):
     updates, opt_state = tx.update(
@@ -215,7 +215,7 @@ def test_wrapper_with_narrower_buffers_keeps_one_temporary_and_works():
   grads = [_tree(jnp.float32, 1), _tree(jnp.float32, 2)]
   results = {}
   for dtype in (jnp.float32, jnp.bfloat16):
-    tx = wa.weighted_multi_steps(
+    tx = wa.WeightedMultiSteps(
       optax.sgd(1.0), 2, accumulator_dtype=dtype, mode="mean"
     )
     step = _wrapper_step(tx)

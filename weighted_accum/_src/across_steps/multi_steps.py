@@ -1,5 +1,5 @@
-"""The optax wrapper: ``WeightedMultiSteps``, a weighted ``optax.MultiSteps``,
-its functional form ``weighted_multi_steps``, and the readers
+"""The optax wrapper: ``WeightedMultiSteps``, a weighted ``optax.MultiSteps``
+(its ``gradient_transformation()`` is the functional form), and the readers
 ``has_updated`` and ``window_counters``.
 
 The state and the per-microbatch step live in
@@ -27,7 +27,6 @@ __all__ = [
   "WeightedMultiSteps",
   "WeightedMultiStepsState",
   "has_updated",
-  "weighted_multi_steps",
   "window_counters",
 ]
 
@@ -308,61 +307,3 @@ class WeightedMultiSteps:
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
     """This wrapper as an ``optax.GradientTransformationExtraArgs``."""
     return optax.GradientTransformationExtraArgs(self.init, self.update)
-
-
-def weighted_multi_steps(
-  opt: optax.GradientTransformation,
-  every_k_schedule: int | Callable[[jax.Array], Any] | None,
-  use_grad_mean: bool = True,
-  should_skip_update_fn: Callable[..., Any] | None = None,
-  accumulator_dtype: DTypeLike = jnp.float32,
-  *,
-  mode: str,
-  loss_scale: ArrayLike = 1.0,
-  axis_name: str | Sequence[str] | None = None,
-  skip_nonfinite_updates: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-  """:class:`WeightedMultiSteps` as an ``optax.GradientTransformationExtraArgs``.
-
-  The same parameters and the same transformation as
-  ``WeightedMultiSteps(...).gradient_transformation()``; see
-  :class:`WeightedMultiSteps` for their meaning and the window semantics.
-
-  Returns:
-    ``init(params)`` gives a :class:`WeightedMultiStepsState`;
-    ``update(grads, state, params=None, *, weight, finish=None,
-    next_loss_scale=None, **extra_args)`` returns ``(updates, new_state)``.
-
-  Raises:
-    WeightedAccumulationError: as :class:`WeightedMultiSteps`.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import weighted_accum as wa
-    >>> params = {'w': jnp.array([1.0, -1.0])}
-    >>> tx = wa.weighted_multi_steps(optax.sgd(1.0), 2, mode='mean')
-    >>> state = tx.init(params)
-    >>> for g, n in [({'w': jnp.array([1., 1.])}, 3),
-    ...              ({'w': jnp.array([5., 1.])}, 1)]:
-    ...   updates, state = tx.update(g, state, params, weight=n)
-    ...   params = optax.apply_updates(params, updates)
-    >>> params['w'].tolist()   # 1 - (3*1 + 1*5)/4, -1 - 1
-    [-1.0, -2.0]
-  """
-  return _FunctionalForm(
-    opt,
-    every_k_schedule,
-    use_grad_mean,
-    should_skip_update_fn,
-    accumulator_dtype,
-    mode=mode,
-    loss_scale=loss_scale,
-    axis_name=axis_name,
-    skip_nonfinite_updates=skip_nonfinite_updates,
-  ).gradient_transformation()
-
-
-class _FunctionalForm(WeightedMultiSteps):
-  """:func:`weighted_multi_steps`' wrapper: its errors name the function."""
-
-  _who = "weighted_multi_steps"

@@ -164,6 +164,9 @@ def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
     scaler = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), scaler)
   scale = cfg.loss_scale if scaler is None else jnp.array(scaler.scale)
   accum = accumulation.init(params, dtype=cfg.dtype, loss_scale=scale)
+  if cfg.axis_name is not None:  # every microbatch is reduced as it comes
+    placement = base.Placement(base.REPLICA, tuple(cfg.axis_name), "microbatch")
+    accum = accum.replace(placement=placement)
   # A distinct array per field: a donated state must not hold one buffer
   # twice.
   count = lambda: jnp.zeros((), jnp.int32)

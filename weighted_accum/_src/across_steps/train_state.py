@@ -5,7 +5,7 @@ hands its keyword arguments to ``replace``, never to ``tx.update``, so a
 weighted accumulator cannot be reached through it. :class:`TrainState` is
 the same dataclass with an ``apply_gradients`` that forwards ``weight`` and
 ``finish`` to the transformation (:class:`~weighted_accum.WeightedMultiSteps`
-or :func:`~weighted_accum.weighted_multi_steps`, alone or inside an
+or its ``gradient_transformation()``, alone or inside an
 ``optax.chain``); with any other ``tx`` a weight would be ignored, so it is
 refused.
 """
@@ -33,9 +33,9 @@ class TrainState(train_state.TrainState):
   """A ``flax.training.train_state.TrainState`` for a weighted accumulator.
 
   Create it as flax's (``TrainState.create(apply_fn=..., params=...,
-  tx=...)``) with ``tx`` a :class:`~weighted_accum.WeightedMultiSteps` or
-  :func:`~weighted_accum.weighted_multi_steps`; it is a pytree, so it goes
-  through ``jax.jit`` and :class:`~weighted_accum.AccumSave` whole.
+  tx=...)``) with ``tx`` a :class:`~weighted_accum.WeightedMultiSteps` (or
+  its ``gradient_transformation()``); it is a pytree, so it goes through
+  ``jax.jit`` and :class:`~weighted_accum.checkpoint.AccumSave` whole.
 
   ``step`` counts ``apply_gradients`` calls (microbatches), as in flax;
   ``opt_state.gradient_step`` counts the windows applied.

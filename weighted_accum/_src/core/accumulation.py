@@ -1,5 +1,5 @@
-"""Opening and filling a window: ``init``, ``from_buffers``,
-``accumulate_sum``, ``accumulate_mean`` and ``set_loss_scale``.
+"""Opening and filling a global window: ``init``, ``from_buffers``, the one
+accumulate path ``add`` and ``set_loss_scale``.
 
 Each validates its inputs (``validation``; structure cached per signature
 when eager, ``eager_cache``), then runs a jitted kernel that inlines into the
@@ -35,35 +35,9 @@ from weighted_accum._src.errors import WeightedAccumulationError
 def init(
   params: Any, dtype: DTypeLike = jnp.float32, loss_scale: ArrayLike = 1.0
 ) -> AccumState:
-  """Starts an empty window with zero buffers shaped like ``params``.
-
-  Args:
-    params: any pytree of floating arrays (dict, nested containers,
-      ``flax.nnx.State``, trees with ``None`` leaves, or abstract values under
-      ``jax.eval_shape``). Only shapes, dtypes and shardings are read.
-    dtype: the work dtype of the buffers (float32 recommended; bfloat16 and
-      float16 halve the memory at a precision cost; float64 with x64).
-    loss_scale: the factor the caller multiplies every loss of the window by
-      (e.g. 2**15 for float16), or a :class:`~weighted_accum.DynamicLossScale`
-      (its ``scale``). Divided out once at finish. Never inferred.
-
-  Returns:
-    An empty :class:`~weighted_accum.AccumState`; each buffer is on its
-    param's sharding.
-
-  Raises:
-    WeightedAccumulationError: for a non-floating work dtype or param,
-      params committed to different devices, or a non-finite or
-      non-positive concrete loss scale.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import weighted_accum as wa
-    >>> state = wa.init({'w': jnp.zeros((2, 3)), 'b': jnp.zeros(3)},
-    ...                 dtype=jnp.float32, loss_scale=1.0)
-    >>> state.grads['w'].shape, int(state.issued)
-    ((2, 3), 0)
-  """
+  """An empty global window of ``params`` (``wa.init`` without
+  ``axis_name``): validated dtype, scale and params, zero buffers on the
+  params' shardings."""
   dt = validation.work_dtype(dtype, what="init(dtype=...)")
   ls = validation.loss_scale(
     loss_scale, what="init(loss_scale=...)", dtype=numerics.tally_dtype(dt)
@@ -373,13 +347,14 @@ def add(
     hint="Pass the window from wa.init (or the previous call) first, then "
     "the grads and the weight.",
   )
-  if np.ndim(state.weight_hi):
+  if state.placement.kind == base.STACKED:
     raise WeightedAccumulationError(
-      f"{name}(state): this window is per replica, stacked over "
-      f"{np.shape(state.weight_hi)[0]} replicas (distributed.init outside "
-      "shard_map). Add to it inside shard_map with the distributed "
-      "functions, or with f.accumulate of microbatched_value_and_grad("
-      "..., data_axes=...) under jit."
+      f"{name}(state): this window is stacked per replica over "
+      f"{state.placement.axes} (wa.init(..., axis_name=...) outside "
+      "shard_map). Add to it inside shard_map over those axes (pass it in "
+      "with weighted_accum.distributed.window_specs(state)), or with "
+      "f.accumulate of microbatched_value_and_grad(..., data_axes=...) "
+      "under jit."
     )
   checked = validation.static_flag(checked, what=f"{name}(checked=...)")
   leaves, placed, grads_sig = _structure(state, grads, name)
@@ -406,91 +381,6 @@ def add(
   new = _kernel(state, leaves, w, mean=mean)
   eager_cache.remember_output(name, new, grads_sig, placed)
   return new
-
-
-def accumulate_sum(
-  state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
-) -> AccumState:
-  """Adds the gradients of a microbatch's loss SUM.
-
-  ``buffer += cast(grads, work dtype)``; the window's weight grows by
-  ``weight``. Use it when the loss was ``sum(w * l)`` over the microbatch
-  (times the window's loss scale).
-
-  Args:
-    state: the window so far.
-    grads: gradients of the summed loss: a tree with the params' leaf paths
-      and shapes, in any floating dtype (float32, bfloat16, float16).
-    weight: the microbatch's effective item count (tokens, samples), a
-      scalar; may be fractional and traced (no recompilation per value). A
-      weight of exactly 0 counts as issued and adds nothing, even if ``grads``
-      holds NaN/Inf.
-    checked: under ``jax.jit``, also emit a ``checkify`` check for an invalid
-      weight, so that a ``checkify.checkify``-wrapped step reports it.
-
-  Returns:
-    The new state. Under ``jit`` a weight that cannot be stored (negative,
-    NaN, infinite, subnormal, beyond the tally's range; see
-    ``docs/inputs.md``) rejects the microbatch whole: buffers and weight
-    unchanged, ``issued`` and ``rejected`` incremented.
-
-  Raises:
-    WeightedAccumulationError: for a grads tree that does not match the
-      buffers (naming the leaf path), or a concrete invalid weight.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> import weighted_accum as wa
-    >>> params = {'w': jnp.array([1.0, -1.0])}
-    >>> loss_sum = lambda p, x: jnp.sum((x @ p['w']) ** 2)
-    >>> x1, x2 = jnp.ones((3, 2)), 2 * jnp.ones((1, 2))
-    >>> state = wa.init(params)
-    >>> state = wa.accumulate_sum(state, jax.grad(loss_sum)(params, x1), 3)
-    >>> state = wa.accumulate_sum(state, jax.grad(loss_sum)(params, x2), 1)
-    >>> out, state = wa.finish_mean(state)
-    >>> out.weight.item()
-    4.0
-  """
-  return add(
-    state, grads, weight, mean=False, checked=checked, name="accumulate_sum"
-  )
-
-
-def accumulate_mean(
-  state: AccumState, grads: Any, weight: ArrayLike, *, checked: bool = False
-) -> AccumState:
-  """Adds the gradients of a microbatch's loss MEAN, weighted by its size.
-
-  ``buffer += cast(grads, work dtype) * weight`` (multiplied after the
-  conversion, in at least float32), so microbatches of unequal size are not
-  averaged equally. Use it when the loss was ``sum(w * l) / weight``.
-
-  Args:
-    state: the window so far.
-    grads: gradients of the mean loss (times the window's loss scale).
-    weight: the effective item count the mean divided by; see
-      :func:`accumulate_sum`.
-    checked: see :func:`accumulate_sum`.
-
-  Returns:
-    The new state; see :func:`accumulate_sum`.
-
-  Raises:
-    WeightedAccumulationError: see :func:`accumulate_sum`.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import weighted_accum as wa
-    >>> state = wa.init({'w': jnp.zeros(1)})
-    >>> state = wa.accumulate_mean(state, {'w': jnp.array([1.0])}, 3)
-    >>> state = wa.accumulate_mean(state, {'w': jnp.array([5.0])}, 1)
-    >>> out, _ = wa.finish_mean(state)   # (3*1 + 1*5) / 4, not (1 + 5) / 2
-    >>> out.grads['w'].item()
-    2.0
-  """
-  return add(
-    state, grads, weight, mean=True, checked=checked, name="accumulate_mean"
-  )
 
 
 # --------------------------------------------------------- set_loss_scale --
@@ -557,7 +447,7 @@ def set_loss_scale(
     if total != 0:
       raise WeightedAccumulationError(
         f"set_loss_scale: the open window already holds total weight "
-        f"{total!r} from {int(state.issued)} microbatch(es) accumulated at "
+        f"{total!r} from {int(np.sum(state.issued))} microbatch(es) accumulated at "
         f"loss scale {float(state.loss_scale)!r}; the scale is constant "
         "within a window. Finish the window first, or set the next "
         "window's scale with finish_mean/finish_sums(next_loss_scale=...)."
@@ -565,9 +455,25 @@ def set_loss_scale(
   return _set_scale(state, ls, checked)
 
 
+def _is_empty(state: AccumState, ls: Any) -> jax.Array:
+  """Whether the window holds no weight, decided for the whole window: over
+  a stacked window's replica axis, and over a per-replica window's axes
+  inside ``shard_map`` (where ``ls`` must be shared), so the scale stays
+  one shared scalar."""
+  pl = state.placement
+  empty = jnp.all((state.weight_hi == 0) & (state.weight_lo == 0))
+  bound = pl.axes and set(pl.axes) <= set(tree_utils.manual_axes())
+  if pl.kind != base.GLOBAL and bound:
+    validation.shared(ls, pl.axes, what="set_loss_scale(loss_scale)")
+    if pl.per_replica:
+      held = jax.lax.psum((~empty).astype(jnp.int32), pl.axes)
+      empty = held == 0
+  return empty
+
+
 def _set_scale(state: AccumState, ls: Any, checked: bool) -> AccumState:
   ls = jnp.asarray(ls, state.loss_scale.dtype)
-  empty = (state.weight_hi == 0) & (state.weight_lo == 0)
+  empty = _is_empty(state, ls)
   ok = validation.scale_ok(ls)
   if checked and (tree_utils.is_traced(ls) or tree_utils.is_traced(empty)):
     checkify.check(

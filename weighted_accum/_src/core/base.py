@@ -4,7 +4,7 @@
 Each counter is a literal field of ``AccumState`` whose metadata (a
 :class:`Counter`) says its dtype, its value in a fresh window, what a finish
 does to it, how it behaves across data-parallel replicas and how a saved
-value is checked. ``init``, the reset at a finish, ``distributed.init``, the
+value is checked. ``init``, the reset at a finish, ``init`` with ``axis_name``, the
 cross-replica reduction, ``from_buffers`` and the checkpoint format all read
 the table (:data:`COUNTERS`), so a new counter is one field. The invariants
 are in ``docs/design.md`` ("State").
@@ -13,6 +13,7 @@ are in ``docs/design.md`` ("State").
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 from flax import struct
@@ -52,6 +53,49 @@ class Counter(NamedTuple):
   replicas: str
 
 
+#: What a window is (``Placement.kind``):
+GLOBAL = "global"  # one window: plain ``jit`` over global (sharded) arrays
+REPLICA = "replica"  # this replica's window, inside ``shard_map`` over axes
+STACKED = "stacked"  # every replica's window, a leading replica axis
+KINDS = (GLOBAL, REPLICA, STACKED)
+#: How a per-replica window reduces (``Placement.reduce``):
+REDUCE_MODES = ("window", "microbatch")
+
+
+class Placement(NamedTuple):
+  """Where a window lives and how it reduces: static data of the window.
+
+  Set when the window is made (:func:`weighted_accum.init` with or without
+  ``axis_name``) and read by every entry point; never inferred from the
+  arrays' shapes or types.
+
+  Attributes:
+    kind: ``"global"`` (one window over global arrays), ``"replica"``
+      (this replica's window inside ``shard_map`` over ``axes``) or
+      ``"stacked"`` (every replica's window carried between jitted steps,
+      each per-replica field with a leading replica axis over ``axes``).
+    axes: the data axes (empty for a global window).
+    reduce: for a per-replica window, ``"window"`` (local sums, one
+      reduction at the close) or ``"microbatch"`` (every accumulate
+      all-reduces; the window holds global sums).
+  """
+
+  kind: str = GLOBAL
+  axes: tuple[str, ...] = ()
+  reduce: str = "window"
+
+  @property
+  def per_replica(self) -> bool:
+    """Whether the window holds per-replica sums reduced at its close."""
+    return self.kind == STACKED or (
+      self.kind == REPLICA and self.reduce == "window"
+    )
+
+
+#: The placement of a window made without ``axis_name``.
+GLOBAL_WINDOW = Placement()
+
+
 def _counter(kind: str, initial: float, at_finish: str, replicas: str) -> Any:
   return struct.field(
     metadata={"counter": Counter(kind, initial, at_finish, replicas)}
@@ -78,6 +122,8 @@ class AccumState(struct.PyTreeNode):
     weight_lo: float32, the rounding error of ``weight_hi`` (exact tally).
     loss_scale: float32, the loss scale of this window.
     dtype: the work dtype (static).
+    placement: what the window is (static, a :class:`Placement`): global,
+      per replica over named axes, or stacked per replica.
 
   Example:
     >>> import jax.numpy as jnp
@@ -97,6 +143,7 @@ class AccumState(struct.PyTreeNode):
   weight_lo: jax.Array = _counter("weight", 0.0, RESET, SUMMED)
   loss_scale: jax.Array = _counter("scale", 1.0, NEXT_SCALE, SHARED)
   dtype: Any = struct.field(pytree_node=False, default=jnp.float32)
+  placement: Placement = struct.field(pytree_node=False, default=GLOBAL_WINDOW)
 
   @property
   def total_weight(self) -> float | jax.Array:
@@ -104,9 +151,20 @@ class AccumState(struct.PyTreeNode):
 
     A concrete state gives the exact Python number (``weight_hi +
     weight_lo`` in float64: integer totals are exact to 2**48). Under a
-    transformation it is the float32 array ``weight_hi + weight_lo``.
+    transformation it is the float32 array ``weight_hi + weight_lo``. A
+    stacked window's total is over every replica (its per-replica
+    weights summed); inside ``shard_map`` a per-replica window gives this
+    replica's weight.
     """
-    return numerics.join(self.weight_hi, self.weight_lo)
+    hi, lo = self.weight_hi, self.weight_lo
+    if self.placement.kind == STACKED and np.ndim(hi) == 1:
+      if isinstance(hi, jax.core.Tracer):
+        return jnp.sum(hi) + jnp.sum(lo)
+      parts = np.concatenate([np.asarray(hi), np.asarray(lo)]).astype(
+        np.float64
+      )
+      return float(math.fsum(parts.tolist()))
+    return numerics.join(hi, lo)
 
   @property
   def counters(self) -> dict[str, jax.Array]:

@@ -13,15 +13,18 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+import numpy as np
 import optax
 
 from weighted_accum._src import validation
+from weighted_accum._src.core import base
 from weighted_accum._src.core import numerics
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.parallel import distributed
 from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout
 
@@ -40,19 +43,29 @@ def one_window(state: AccumState, what: str) -> AccumState:
   needs the reduction over the replicas)."""
   if replicas.is_stacked(state):
     raise WeightedAccumulationError(
-      f"{what}(state): this window is per replica, stacked over "
-      f"{jnp.shape(state.weight_hi)[0]} replicas (distributed.init outside "
-      "shard_map). Close it with apply_window(..., axis_name=...) or "
-      "weighted_accum.distributed.finish_mean(state, axis_name): one "
-      "reduction of the replicas' sums."
+      f"{what}(state): this window is stacked per replica over "
+      f"{state.placement.axes} (wa.init(..., axis_name=...) outside "
+      "shard_map), so its sums are per replica. Close it with "
+      "wa.finish_mean(state) or wa.apply_window(...): one reduction of the "
+      "replicas' sums."
     )
   return state
 
 
 def _next_scale(state: AccumState, value: Any, what: str) -> Any:
-  return validation.optional_loss_scale(
+  ls = validation.optional_loss_scale(
     value, what=f"{what}(next_loss_scale=...)", dtype=state.loss_scale.dtype
   )
+  return shared_over_window(state, ls, f"{what}(next_loss_scale=...)")
+
+
+def shared_over_window(state: AccumState, value: Any, what: str) -> Any:
+  """``value``, refused if it varies over the data axes of a per-replica
+  window (inside the ``shard_map`` of its axes)."""
+  axes = state.placement.axes
+  if state.placement.kind != base.GLOBAL and replicas.bound(axes):
+    validation.shared(value, axes, what=what)
+  return value
 
 
 @functools.partial(jax.jit, static_argnames=("mean",))
@@ -109,8 +122,8 @@ def refuse_empty(state: AccumState, what: str = "finish_mean") -> None:
   if not total > 0:
     raise WeightedAccumulationError(
       f"{what}: the window's total weight is {total!r} after "
-      f"{int(state.issued)} microbatch(es) ({int(state.zero_weight)} of "
-      f"weight 0, {int(state.rejected)} rejected), so there is no mean to "
+      f"{int(np.sum(state.issued))} microbatch(es) ({int(np.sum(state.zero_weight))} of "
+      f"weight 0, {int(np.sum(state.rejected))} rejected), so there is no mean to "
       "take. Nothing was cleared: accumulate more microbatches, or use "
       "finish_sums to hand zero sums to a cross-replica reduction."
     )
@@ -160,12 +173,14 @@ def finish_mean(
     >>> round(out.grads['w'].item(), 5), bool(out.valid)
     (0.001, True)
   """
-  state = _window(state, "finish_mean")
+  state = _window(state, "finish_mean", stacked_ok=True)
   ls = _next_scale(state, next_loss_scale, "finish_mean")
   checked = validation.static_flag(checked, what="finish_mean(checked=...)")
   if not tree_utils.is_traced(state.weight_hi):
     refuse_empty(state)
-  elif checked:
+  if state.placement.kind != base.GLOBAL:  # reduced once, as placed
+    return distributed.finish(state, ls, "finish_mean")
+  if checked and tree_utils.is_traced(state.weight_hi):
     weight = numerics.join(state.weight_hi, state.weight_lo)
     checkify.check(
       weight > 0,
@@ -232,11 +247,16 @@ def _check_replicas(state: AccumState, params: Any, axes: tuple) -> None:
       raise WeightedAccumulationError(
         f"apply_window(state): buffer {path} varies over mesh axes "
         f"{tuple(sorted(extra))} while its param does not: the window holds "
-        "per-replica sums. Pass axis_name=... to reduce it once in the "
-        "close, or finish it with weighted_accum.distributed.finish_mean."
+        "per-replica sums, but it was made as a global window. Make it "
+        "with wa.init(params, axis_name=...) inside the shard_map, so that "
+        "its close reduces the replicas' sums once."
       )
 
 
+@validation.refuse_removed(
+  axis_name="The window knows its axes: make it with wa.init(params, "
+  "axis_name=...) and call apply_window(tx, state, params, opt_state)."
+)
 def apply_window(
   tx: optax.GradientTransformation,
   state: AccumState,
@@ -244,7 +264,6 @@ def apply_window(
   opt_state: Any,
   *,
   next_loss_scale: Any = None,
-  axis_name: str | tuple[str, ...] | None = None,
 ) -> tuple[Any, Any, AccumState, AccumulatedGradients]:
   """Finishes the window and applies its mean gradient with ``tx``, once.
 
@@ -278,12 +297,6 @@ def apply_window(
       To adjust a scaler by this window's finiteness, do it after the call
       and set the new window's scale: ``scaler = scaler.adjust(out.finite)``,
       then ``state = wa.set_loss_scale(state, scaler)``.
-    axis_name: inside ``jax.shard_map``, the data axis (or axes) over which
-      ``state`` holds per-replica sums (``weighted_accum.distributed.init``
-      and local gradients): the close sums them and the weights once, in one
-      collective round, and every replica applies the same mean. ``None``
-      for a global window (plain ``jit`` over sharded arrays, or a state
-      that is the same on every replica).
 
   Returns:
     ``(params, opt_state, state, out)``: the updated params and optimizer
@@ -297,7 +310,7 @@ def apply_window(
     WeightedAccumulationError: when ``tx`` is not an optax transformation or
       ``state`` not an ``AccumState`` (e.g. arguments swapped), when
       ``params`` does not match the buffers (naming the leaf path), for a
-      per-replica window without ``axis_name``, or for a concrete invalid
+      per-replica window made as a global one, or for a concrete invalid
       ``next_loss_scale``.
 
   Example:
@@ -318,9 +331,7 @@ def apply_window(
   validation.transformation(tx, what="apply_window(tx)")
   state = _window(state, "apply_window", stacked_ok=True)
   if replicas.is_stacked(state):
-    return _apply_stacked(
-      tx, state, params, opt_state, next_loss_scale, axis_name
-    )
+    return _apply_stacked(tx, state, params, opt_state, next_loss_scale)
   tree_utils.match_tree(
     state.grads,
     params,
@@ -328,25 +339,21 @@ def apply_window(
     ref_name="the accumulator's buffers",
   )
   axes = ()
-  if axis_name is not None:
-    axes = validation.bound_axes(axis_name, what="apply_window(axis_name=...)")
+  if state.placement.per_replica:  # one reduction of the replicas' sums
+    axes = validation.bound_axes(
+      state.placement.axes, what="apply_window(state)"
+    )
   _check_replicas(state, params, axes)
   ls = _next_scale(state, next_loss_scale, "apply_window")
   return _apply_window_kernel(tx, state, params, opt_state, ls, axes)
 
 
-def _apply_stacked(tx, state, params, opt_state, next_loss_scale, axis_name):
+def _apply_stacked(tx, state, params, opt_state, next_loss_scale):
   """``apply_window`` of a stacked per-replica window: of this replica's
   block inside ``shard_map``, or of the whole under plain ``jit`` (its one
   reduction, then the one close path on the global window)."""
   what = "apply_window"
-  if axis_name is None:
-    raise WeightedAccumulationError(
-      f"{what}(state): this window is per replica, stacked over "
-      f"{jnp.shape(state.weight_hi)[0]} replicas; pass axis_name=... (its "
-      "data axes) to reduce it once in the close."
-    )
-  axes = validation.axis_names(axis_name, what=f"{what}(axis_name=...)")
+  axes = validation.axis_names(state.placement.axes, what=f"{what}(state)")
   ls = _next_scale(state, next_loss_scale, what)
   if replicas.bound(axes):
     p, o, new, out = apply_window(
@@ -355,7 +362,6 @@ def _apply_stacked(tx, state, params, opt_state, next_loss_scale, axis_name):
       params,
       opt_state,
       next_loss_scale=ls,
-      axis_name=axes,
     )
     return p, o, replicas.stack(new, axes), out
   tree_utils.match_tree(

@@ -35,7 +35,7 @@ class DynamicLossScale(validation.ScaleSource):
 
   An immutable pytree: ``scale`` (float32) and ``growth_tracker`` (int32) are
   its leaves, so it passes through ``jax.jit``, donation and checkpoints
-  (:class:`~weighted_accum.AccumSave`); the other fields are static. Every
+  (:class:`~weighted_accum.checkpoint.AccumSave`); the other fields are static. Every
   argument that takes a loss scale (``init``, ``next_loss_scale=``,
   ``set_loss_scale``, the wrapper, the in-step function) also takes a
   ``DynamicLossScale`` and uses its current ``scale``.

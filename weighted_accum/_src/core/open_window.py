@@ -10,7 +10,6 @@ through the one close path's machinery: ``peek_mean`` is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import functools
 from typing import Any
 
@@ -23,6 +22,7 @@ from weighted_accum._src.across_steps import multi_steps
 from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState,
 )
+from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window
@@ -52,10 +52,12 @@ def _peek_kernel(state: AccumState, axes: tuple[str, ...]):
   return out
 
 
+@validation.refuse_removed(
+  axis_name="The window knows its axes: make it with wa.init(params, "
+  "axis_name=...) and call peek_mean(state)."
+)
 def peek_mean(
   state: AccumState | WeightedMultiStepsState,
-  *,
-  axis_name: str | Sequence[str] | None = None,
 ) -> AccumulatedGradients:
   """The open window's mean gradient, read without closing the window.
 
@@ -70,9 +72,11 @@ def peek_mean(
     state: an :class:`~weighted_accum.AccumState`, or a
       :class:`~weighted_accum.WeightedMultiStepsState` (also
       ``nnx.Optimizer(...).opt_state``).
-    axis_name: inside ``jax.shard_map``, the data axis (or axes) over which
-      ``state`` holds per-replica sums (``distributed.init``): the mean is
-      the global one, reduced in one collective round.
+
+  A per-replica window (``wa.init(..., axis_name=...)``, or a wrapper built
+  with ``axis_name``) gives the global mean, reduced in one collective
+  round, identical on every replica; a stacked window under plain ``jit``
+  is reduced once too.
 
   Returns:
     An :class:`~weighted_accum.AccumulatedGradients`, as ``finish_mean``'s
@@ -80,8 +84,9 @@ def peek_mean(
     total weight).
 
   Raises:
-    WeightedAccumulationError: for a state that is neither, an unbound
-      ``axis_name``, or (eagerly) a window of zero total weight.
+    WeightedAccumulationError: for a state that is neither, a per-replica
+      window outside the ``shard_map`` of its axes, or (eagerly) a window of
+      zero total weight.
 
   Example:
     >>> import jax.numpy as jnp
@@ -95,16 +100,25 @@ def peek_mean(
     2.0
   """
   st = _window(state, "peek_mean")
+  if not tree_utils.is_traced(st.weight_hi):
+    finishing.refuse_empty(st, "peek_mean")
+  pl = st.placement
+  if pl.kind == base.STACKED and not replicas.bound(pl.axes):
+    return _peek_stacked(st, pl.axes)
+  if pl.kind == base.STACKED:  # this replica's block of a stacked window
+    st = replicas.unstack(st, pl.axes, "peek_mean")
   axes = ()
-  if axis_name is not None:
-    axes = validation.bound_axes(axis_name, what="peek_mean(axis_name=...)")
-    if replicas.is_stacked(st):  # this replica's block of a stacked window
-      st = replicas.unstack(st, axes, "peek_mean")
-  else:
-    st = finishing.one_window(st, "peek_mean")
-    if not tree_utils.is_traced(st.weight_hi):
-      finishing.refuse_empty(st, "peek_mean")
+  if st.placement.per_replica:
+    axes = validation.bound_axes(pl.axes, what="peek_mean(state)")
   return _peek_kernel(st, axes)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _peek_stacked(state: AccumState, axes: tuple[str, ...]):
+  """``peek_mean`` of a stacked window under plain ``jit``: its one
+  reduction (``replicas.to_global``), then the close path's mean."""
+  mesh = replicas.mesh_of(state, axes, "peek_mean")
+  return _peek_kernel(replicas.to_global(state, axes, mesh), ())
 
 
 @jax.jit
@@ -155,6 +169,7 @@ def discard(
     what="discard(next_loss_scale=...)",
     dtype=st.loss_scale.dtype,
   )
+  finishing.shared_over_window(st, ls, "discard(next_loss_scale=...)")
   wrapper = multi_steps._unwrap(state)
   if isinstance(wrapper, WeightedMultiStepsState):
     if ls is not None and wrapper.loss_scaler is not None:

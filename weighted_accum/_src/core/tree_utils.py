@@ -5,7 +5,7 @@ that keep a sharding, and where a newly born state's scalars live.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,18 @@ from jax.sharding import SingleDeviceSharding
 import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
+
+
+class LeafReduce(NamedTuple):
+  """How a window's close (``window.psum_window``) reduces one buffer: a
+  tiled ``psum_scatter`` over ``scatter`` along dimension ``dim`` (a buffer
+  whose param is sharded there over those data axes), then a ``psum`` over
+  ``psum``. A buffer already reduced over its sharded axes (autodiff of an
+  ``all_gather``) has ``scatter=()``."""
+
+  psum: tuple[str, ...]
+  scatter: tuple[str, ...] = ()
+  dim: int = 0
 
 
 def is_traced(x: Any) -> bool:
@@ -223,8 +235,8 @@ def check_not_reduced_against_weight(
         f"{what}: leaf {path} does not vary over mesh axis {axes} while "
         "the weight does: autodiff already summed this gradient over the "
         "replicas (its param is replicated), so a per-replica window would "
-        "count it once per replica. Use weighted_accum.distributed."
-        "accumulate_sum/accumulate_mean, which handle such gradients, or "
+        "count it once per replica. Make the window with wa.init(params, "
+        f"axis_name={axes!r}), whose accumulate handles such gradients, or "
         "differentiate local gradients with weighted_accum.distributed."
         f"local_grad (jax.lax.pcast(params, {axes!r}, to='varying'))."
       )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax import lax
@@ -108,16 +108,7 @@ def next_window(
 # ------------------------------------------------------ collectives --
 
 
-class LeafReduce(NamedTuple):
-  """How :func:`psum_window` reduces one buffer: a tiled ``psum_scatter``
-  over ``scatter`` along dimension ``dim`` (a buffer whose param is sharded
-  there over those data axes), then a ``psum`` over ``psum``. A buffer
-  already reduced over its sharded axes (autodiff of an ``all_gather``)
-  has ``scatter=()``."""
-
-  psum: Axes
-  scatter: Axes = ()
-  dim: int = 0
+LeafReduce = tree_utils.LeafReduce
 
 
 #: The scalars of a two-float tally pair, summed exactly by psum_window.

@@ -14,7 +14,7 @@ the loop, which share one. Rationale, memory and all-reduce figures:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +34,7 @@ from weighted_accum._src.in_step import microbatch_terms as terms
 from weighted_accum._src.in_step import microbatching_spmd as spmd
 from weighted_accum._src.parallel import distributed as dist
 from weighted_accum._src.parallel import replicas
+from weighted_accum._src.parallel.spmd_layout import DataParallel
 
 _F32 = jnp.float32
 _WHAT = "microbatched_value_and_grad"
@@ -197,13 +198,28 @@ def _to_window(state: Any, axes: tuple[str, ...] | None):
     state,
     AccumState,
     what=what,
-    hint="Pass the open window (from wa.init or distributed.init).",
+    hint="Pass the open window (from wa.init).",
   )
   if axes is None:
+    if state.placement.kind != base.GLOBAL:
+      raise WeightedAccumulationError(
+        f"{what}: this window is per replica over {state.placement.axes} "
+        "(wa.init(..., axis_name=...)), but this function has no axis_name: "
+        "build it with the window's axis_name, or start a global window "
+        "with wa.init(params)."
+      )
     return state, False
   block = replicas.is_stacked(state)
   if block:
     state = replicas.unstack(state, axes, what)
+  pl = state.placement
+  if pl.kind != base.REPLICA or pl.reduce != "window" or pl.axes != axes:
+    raise WeightedAccumulationError(
+      f"{what}: this function adds each replica's sums over {axes} and "
+      "reduces them once at the close, but the window is "
+      f"{pl.kind} (axes {pl.axes}, reduce={pl.reduce!r}). Make it with "
+      f"wa.init(params, axis_name={axes!r}) inside the shard_map."
+    )
   per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
   return state.replace(
     **{f: tree_utils.to_varying(getattr(state, f), axes) for f in per_replica}
@@ -306,6 +322,11 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   norms = validation.normalizers(
     normalizers, names, what=f"{_WHAT}(...)(normalizers=...)"
   )
+  for term, v in norms.items():  # one divisor for every replica
+    where = f"{_WHAT}(...)(normalizers=...)" + (
+      "" if term is None else f"[{term!r}]"
+    )
+    validation.shared(v, cfg.axis_name or (), what=where)
   groups = terms.groups(names, norms, cfg.mode)
   ls = call_scale(cfg, loss_scale)
   params = margs.as_params(p.call, margs.diff_values(p.call), cfg.roles)
@@ -314,7 +335,7 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   new = lambda: (
     accumulation.init(params, cfg.dtype, ls)
     if cfg.axis_name is None
-    else dist.init(params, cfg.axis_name, cfg.dtype, ls)
+    else dist.make(params, cfg.axis_name, "window", cfg.dtype, ls)
   )
   states = [new() for _ in groups]
   carry = _loop(cfg, p.call, groups, norms, states, p.n_real, p.ev, p.threaded)
@@ -345,6 +366,18 @@ def _accumulate(cfg: _Config, state, args, kwargs, n_real):
   return _with_state(cfg, result, carry.threaded)
 
 
+@validation.refuse_removed(
+  batch_argnames="batch_argnums takes keyword names too: "
+  "batch_argnums='mask', or ('x', 'mask').",
+  in_axes="Give each batch argument's axis in a mapping: "
+  "batch_argnums={1: 0, 'mask': 1} (argument -> batch axis).",
+  data_axes="axis_name=... covers it: called under plain jax.jit, f takes "
+  "the global batch sharded over those axes; inside shard_map, this "
+  "replica's rows.",
+  param_specs="Pass axis_name=wa.distributed.DataParallel(axes, "
+  "param_specs=...).",
+  fsdp="Pass axis_name=wa.distributed.DataParallel(axes, fsdp=...).",
+)
 def microbatched_value_and_grad(
   loss_fn: Callable[..., Any],
   num_microbatches: int | None = None,
@@ -353,19 +386,14 @@ def microbatched_value_and_grad(
   microbatch_size: int | None = None,
   has_aux: bool = False,
   argnums: int | Sequence[int] = 0,
-  batch_argnums: int | Sequence[int] | None = None,
-  batch_argnames: str | Sequence[str] = (),
-  in_axes: int | Sequence[int] = 0,
+  batch_argnums: int | str | Sequence[int | str] | Mapping | None = None,
   split: str | None = None,
   state_argnums: int | Sequence[int] = (),
   key_argnums: int | Sequence[int] = (),
   dtype: Any = jnp.float32,
   grads_dtype: Any = None,
   loss_scale: Any = 1.0,
-  axis_name: str | Sequence[str] | None = None,
-  data_axes: str | Sequence[str] | None = None,
-  param_specs: Any = None,
-  fsdp: str = "gather_once",
+  axis_name: str | Sequence[str] | DataParallel | None = None,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` over K microbatches in one loop, exact.
 
@@ -376,7 +404,7 @@ def microbatched_value_and_grad(
   time. The result is divided once: it equals the gradient of the full
   batch's mean loss ``sum(loss sums) / sum(weights)`` whatever the weights
   per microbatch. Each argument of ``loss_fn`` has one role: differentiated
-  (``argnums``), split (``batch_argnums``, ``batch_argnames``), threaded
+  (``argnums``), split (``batch_argnums``), threaded
   state (``state_argnums``), a random key per microbatch (``key_argnums``),
   or passed unchanged (any value, strings and functions included).
 
@@ -405,12 +433,10 @@ def microbatched_value_and_grad(
       Python numbers, functions: an Equinox module's static half) are held
       fixed and get ``None`` gradients, as with
       ``eqx.filter_value_and_grad``.
-    batch_argnums: the positional argument(s) to split (pytrees whose leaves
-      share a batch axis); default 1, or none when ``batch_argnames`` is
-      given.
-    batch_argnames: keyword argument(s) to split (optax's ``argnames``).
-    in_axes: the batch axis of each batch argument: an int, or one int per
-      argument of ``batch_argnums`` then ``batch_argnames``.
+    batch_argnums: the argument(s) to split (pytrees whose leaves share a
+      batch axis): a position, a keyword name (optax's ``argnames``), a
+      sequence of them (batch axis 0), or a mapping from each to its batch
+      axis, e.g. ``{1: 0, "mask": 1}``. Default: argument 1.
     split: how rows are dealt: ``"strided"`` (the default: microbatch k
       holds rows ``k::K``, as ``optax.microbatching`` and MaxText; a
       data-sharded batch stays spread over the devices) or ``"contiguous"``
@@ -432,39 +458,16 @@ def microbatched_value_and_grad(
       (its ``scale``; adjust it with ``out.finite`` after the step). ``f``'s
       own ``loss_scale=`` keyword overrides it per call (a traced value
       does not recompile).
-    axis_name: call ``f`` inside ``jax.shard_map`` over this data axis (or
-      axes) with this replica's rows: gradients are local and the call does
-      ONE all-reduce of the sums and weights after the loop (per window of
-      loss terms).
-    data_axes: call ``f`` under plain ``jax.jit`` on the global batch, its
-      batch axis sharded over these mesh axes (``Auto`` or ``Explicit``;
-      the mesh is the batch's, or ``jax.set_mesh``'s): the loop then runs
-      inside a partial-manual ``jax.shard_map`` over just these axes around
-      the ``axis_name`` path, so a call reduces the gradient sums, the
-      weights and the counters ONCE whatever K, and the returned grads keep
-      the params' shardings. Each batch leaf's rows must be divisible by
-      ``N * K`` (N: the replicas); microbatch ``k`` is then rows ``k::K`` as
-      without ``data_axes`` (``split="strided"``; ``"contiguous"`` and
-      ``state_argnums`` are refused: each replica's blocks and states would
-      be its own). Random keys (``key_argnums``) are also folded with the
-      replica's index, so replicas draw different masks. Arguments that are
-      not arrays (strings, functions) reach ``loss_fn`` unchanged. Not with
-      ``axis_name``.
-    param_specs: under ``Auto`` axes with ``data_axes``, the params'
-      ``PartitionSpec`` tree (``None`` leaves: replicated), which the types
-      do not carry there: params sharded over a data axis (FSDP) get
-      reduce-scattered gradients on their own sharding, and every gradient
-      is constrained to its param's spec. Without it every param counts as
-      replicated over the data axes (an FSDP param is then all-gathered at
-      the boundary and its gradient returned replicated). On an
-      ``Explicit`` mesh the specs are read from the params' types.
-    fsdp: with ``data_axes``, how the gradients of params sharded over a
-      data axis are reduced (the params are gathered once per call either
-      way): ``"gather_once"`` keeps a full-size per-replica carry and
-      reduce-scatters it once per call (bytes P per call, memory P);
-      ``"scatter_each"`` reduce-scatters each microbatch's weighted
-      gradient into a carry of the param's shard (bytes K * P, carry P/N).
-      ``docs/scaling.md`` has the measured figures.
+    axis_name: the data axis (or axes) the batch is split over, or a
+      :class:`~weighted_accum.distributed.DataParallel` that also gives the
+      params' FSDP layout. Called inside ``jax.shard_map`` over these axes,
+      ``f`` takes this replica's rows; called under plain ``jax.jit``, the
+      global batch sharded over them (the loop then runs in a
+      partial-manual ``shard_map`` over just these axes; each batch leaf's
+      rows divisible by ``N * K``; ``split="contiguous"`` and
+      ``state_argnums`` refused there; keys also folded with the replica's
+      index). Either way a call reduces the sums, the weights and the
+      counters ONCE whatever K (``docs/scaling.md``).
 
   Returns:
     ``f(*args, num_real_microbatches=None, loss_scale=None,
@@ -492,16 +495,16 @@ def microbatched_value_and_grad(
     (``(((loss_sum, weight), aux), state)`` with ``has_aux``; paired with
     the last threaded state with ``state_argnums``), the call's unscaled
     loss sum and weight; it uses the state's work dtype and loss scale.
-    With ``data_axes``, ``aux`` leaves are ``[K, N, ...]`` (``aux[k, r]``
+    Under plain ``jit`` with ``axis_name``, ``aux`` leaves are ``[K, N, ...]`` (``aux[k, r]``
     replica ``r``'s value for its rows of microbatch ``k``, sharded over
     the data axes on dimension 1), and ``f.accumulate`` takes a per-replica
     window stacked over the replicas
-    (:func:`weighted_accum.distributed.init` called outside ``shard_map``)
+    (:func:`weighted_accum.init` with ``axis_name``, outside ``shard_map``)
     and runs no collective: ``loss_sum`` and ``weight`` are per replica,
-    ``[N]``; close the window with
-    ``wa.apply_window(..., axis_name=data_axes)`` (one reduction). Inside
-    ``shard_map`` with ``axis_name`` it also takes this replica's block of
-    such a window (leading dimension 1) and returns one.
+    ``[N]``; close the window with ``wa.apply_window`` or
+    ``wa.finish_mean`` (one reduction). Inside ``shard_map`` it takes this
+    replica's window (``wa.init(params, axis_name=...)`` there) or its
+    block of a stacked one, and returns the same kind.
 
   Raises:
     WeightedAccumulationError: for an invalid configuration, arguments that
@@ -509,8 +512,8 @@ def microbatched_value_and_grad(
       divisible by K, a ``loss_fn`` that does not return ``(loss, weight)``,
       a loss that is not a floating scalar, a returned state shaped unlike
       the state argument, ``num_real_microbatches`` without ``split``, an
-      unbound ``axis_name``, ``data_axes`` that the batch's mesh does not
-      have or whose replicas times K do not divide the batch, FSDP param
+      ``axis_name`` that the batch's mesh does not have or whose replicas
+      times K do not divide the batch, FSDP param
       specs the reduce-scatter cannot produce, or (eagerly) a call whose
       total weight is 0.
 
@@ -535,41 +538,95 @@ def microbatched_value_and_grad(
     microbatch_size=microbatch_size,
     has_aux=has_aux,
     argnums=argnums,
-    batch_argnums=batch_argnums,
-    batch_argnames=batch_argnames,
-    in_axes=in_axes,
+    **_batch_roles(batch_argnums),
     split=split,
     state_argnums=state_argnums,
     key_argnums=key_argnums,
     dtype=dtype,
     grads_dtype=grads_dtype,
     loss_scale=loss_scale,
-    axis_name=axis_name,
-    data_axes=data_axes,
-    param_specs=param_specs,
-    fsdp=fsdp,
+    **_data_parallel(axis_name),
   )
   return _functions(cfg)
+
+
+def _batch_roles(batch_argnums: Any) -> dict[str, Any]:
+  """``batch_argnums`` as the loop's roles: positions, keyword names and
+  each one's batch axis (positions first, then names)."""
+  if batch_argnums is None:
+    return dict(batch_argnums=None, batch_argnames=(), in_axes=0)
+  if isinstance(batch_argnums, Mapping):
+    keys, axes = list(batch_argnums), list(batch_argnums.values())
+    for key, ax in zip(keys, axes):
+      if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
+        raise WeightedAccumulationError(
+          f"{_WHAT}(batch_argnums={batch_argnums!r}): the batch axis of "
+          f"argument {key!r} is {ax!r}; map each batch argument (a position "
+          "or a keyword name) to an int axis, e.g. {1: 0, 'mask': 1}."
+        )
+  elif isinstance(batch_argnums, (str, int, np.integer)):
+    keys, axes = [batch_argnums], None
+  else:
+    keys, axes = list(batch_argnums), None
+  names = [k for k in keys if isinstance(k, str)]
+  nums = [k for k in keys if not isinstance(k, str)]
+  if axes is not None:  # positions first, then names
+    by_key = dict(zip(keys, axes))
+    axes = [by_key[k] for k in nums + names]
+  single = isinstance(batch_argnums, (int, np.integer))
+  return dict(
+    batch_argnums=batch_argnums if single else tuple(nums),
+    batch_argnames=tuple(names),
+    in_axes=0 if axes is None else tuple(axes),
+  )
+
+
+def _data_parallel(axis_name: Any) -> dict[str, Any]:
+  """``axis_name`` as the loop's data-parallel options: the axes (inside
+  ``shard_map``: this replica's rows; under plain ``jit``: the global
+  batch over them) and the FSDP layout."""
+  if axis_name is None:
+    return dict(
+      axis_name=None, data_axes=None, param_specs=None, fsdp="gather_once"
+    )
+  dp = axis_name
+  if not isinstance(dp, DataParallel):
+    axes = validation.axis_names(axis_name, what=f"{_WHAT}(axis_name=...)")
+    dp = DataParallel(axes)
+  return dict(
+    axis_name=dp.axes,
+    data_axes=dp.axes,
+    param_specs=dp.param_specs,
+    fsdp=dp.fsdp,
+  )
 
 
 def _functions(cfg: _Config) -> Callable[..., Any]:
   """``f`` and its ``.accumulate`` for one configuration."""
 
+  inside = cfg._replace(data_axes=None)
+
+  def global_batch() -> bool:
+    """Called under plain ``jit`` on the global batch (the data axes not
+    bound by an enclosing ``shard_map``)."""
+    return cfg.data_axes is not None and not replicas.bound(cfg.data_axes)
+
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
   ):
-    if cfg.data_axes is not None:
+    if global_batch():
       ls = call_scale(cfg, loss_scale)
       call = (args, kw, num_real_microbatches, ls, normalizers)
       return spmd.value_and_grad(cfg, _step, call)
-    return _step(cfg, args, kw, num_real_microbatches, loss_scale, normalizers)
+    n_real = num_real_microbatches
+    return _step(inside, args, kw, n_real, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
-    if cfg.data_axes is not None:
+    if global_batch():
       return spmd.accumulate(
         cfg, _accumulate, state, (args, kw, num_real_microbatches)
       )
-    return _accumulate(cfg, state, args, kw, num_real_microbatches)
+    return _accumulate(inside, state, args, kw, num_real_microbatches)
 
   f.accumulate = accumulate
   return f

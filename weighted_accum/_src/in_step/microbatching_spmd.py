@@ -43,7 +43,7 @@ from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout as layout_
 
 _WHAT = "microbatched_value_and_grad"
-FSDP_MODES = ("gather_once", "scatter_each")
+FSDP_MODES = layout_.FSDP_MODES
 Axes = tuple[str, ...]
 
 
@@ -151,12 +151,6 @@ def options(kw: dict) -> dict:
   data_axes = validation.optional_axis_names(
     kw["data_axes"], what=f"{_WHAT}(data_axes=...)", name="data_axes"
   )
-  if data_axes is not None and kw["axis_name"] is not None:
-    raise WeightedAccumulationError(
-      f"{_WHAT}: pass axis_name (f is called inside jax.shard_map, on this "
-      "replica's rows) or data_axes (f is called under plain jax.jit, on "
-      "the global batch), not both."
-    )
   return dict(
     data_axes=data_axes,
     param_specs=validation.partition_specs(
@@ -465,8 +459,8 @@ def accumulate(
     state,
     AccumState,
     what=what,
-    hint="Pass a stacked per-replica window (distributed.init outside "
-    "shard_map).",
+    hint="Pass a stacked per-replica window (wa.init(..., axis_name=...) "
+    "outside shard_map).",
   )
   pl = plan_call(cfg, args, kwargs)
   lay = pl.lay
@@ -480,7 +474,7 @@ def accumulate(
     raise WeightedAccumulationError(
       f"{what}: with data_axes the window is per replica, stacked over "
       f"the {lay.replicas} replicas: start it with "
-      f"weighted_accum.distributed.init(params, {lay.axes!r}) outside "
+      f"wa.init(params, axis_name={lay.axes!r}) outside "
       "shard_map (a global wa.init window would need a reduction per call)."
     )
   replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))

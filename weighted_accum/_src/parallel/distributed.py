@@ -1,7 +1,8 @@
-"""Data parallelism inside ``jax.shard_map``: ``init``,
-``accumulate_sum``/``accumulate_mean`` per replica, ``finish_mean`` and
-``reduce_sums`` (one collective round per window). Local gradients
-(``local_grad``, ``is_reduced``) are in ``local_grads``.
+"""Per-replica windows inside ``jax.shard_map``: ``make`` (the windows of
+``wa.init(..., axis_name=...)``), ``accumulate`` and ``finish`` (each reads
+the window's placement: its axes and reduce mode) and ``reduce_sums`` (one
+collective round per window). Local gradients (``local_grad``,
+``is_reduced``) are in ``local_grads``.
 
 Under plain ``jax.jit`` over global arrays none of this is needed. The two
 styles, the autodiff trap and when to reduce: ``docs/design.md`` ("Data
@@ -34,16 +35,7 @@ from weighted_accum._src.parallel import replicas
 
 AxisName = str | Sequence[str]
 
-REDUCE_MODES = ("window", "microbatch")
-
-__all__ = [
-  "REDUCE_MODES",
-  "accumulate_mean",
-  "accumulate_sum",
-  "finish_mean",
-  "init",
-  "reduce_sums",
-]
+REDUCE_MODES = base.REDUCE_MODES
 
 
 # ----------------------------------------------------------------- helpers --
@@ -71,129 +63,80 @@ def _check_reduce(reduce: Any, what: str) -> str:
 # ------------------------------------------------------------ accumulation --
 
 
-def init(
+def make(
   params: Any,
-  axis_name: AxisName,
-  dtype: DTypeLike = jnp.float32,
-  loss_scale: ArrayLike = 1.0,
+  axis_name: Any,
+  reduce: Any,
+  dtype: DTypeLike,
+  loss_scale: ArrayLike,
 ) -> AccumState:
-  """An empty per-replica window for ``reduce="window"``.
+  """The per-replica window of ``wa.init(params, axis_name=...)``.
 
-  Inside ``shard_map``: like :func:`weighted_accum.init`, then every
-  per-replica leaf (buffers, counts, weight) is cast to varying over
-  ``axis_name``, so the state can be the carry of a ``lax.scan`` over
-  microbatches (whose carry type may not change). ``windows`` and
-  ``loss_scale`` stay unvarying. For ``reduce="microbatch"`` use plain
-  :func:`weighted_accum.init`: its state stays identical on every replica.
-
-  Outside ``shard_map`` (params on a mesh with ``axis_name``): a STACKED
-  window to carry between jitted steps, each per-replica field with a
-  leading replica axis sharded over ``axis_name`` (buffers ``[N,
-  *param.shape]``: full-size partial sums); see :func:`window_specs`.
-
-  Args:
-    params: the (local) params, as for :func:`weighted_accum.init`.
-    axis_name: the data axis name, or a tuple of names.
-    dtype: the work dtype.
-    loss_scale: the window's loss scale, the same on every replica.
-
-  Returns:
-    An empty :class:`~weighted_accum.AccumState` typed per replica, or
-    stacked outside ``shard_map``.
-
-  Raises:
-    WeightedAccumulationError: as :func:`weighted_accum.init`, for an axis
-      not bound by the enclosing ``shard_map``, or (outside one) params on
-      no mesh with ``axis_name``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from weighted_accum import distributed as dist
-    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> def f(p):
-    ...   s = dist.init(p, 'data')
-    ...   print(dist.is_reduced(s.grads, 'data'))
-    ...   return p
-    >>> _ = jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=P(),
-    ...                                  out_specs=P()), jnp.zeros(3))
-    False
+  Inside ``shard_map`` over ``axis_name``: this replica's window
+  (placement ``"replica"``); for ``reduce="window"`` every per-replica leaf
+  is typed varying over the axes, so the state can be a ``lax.scan`` carry.
+  Outside ``shard_map``: a stacked window (placement ``"stacked"``) to
+  carry between jitted steps (``docs/scaling.md``).
   """
-  if not _tree.manual_axes():  # outside shard_map: a stacked window
-    names = validation.axis_names(axis_name, what="distributed.init")
-    s = accumulation.init(params, dtype=dtype, loss_scale=loss_scale)
-    return replicas.init(s, params, names, "distributed.init")
-  axes = _axes(axis_name, "distributed.init")
+  what = "init"
+  reduce = _check_reduce(reduce, what)
   s = accumulation.init(params, dtype=dtype, loss_scale=loss_scale)
+  if not _tree.manual_axes():  # outside shard_map: a stacked window
+    names = validation.axis_names(axis_name, what=f"{what}(axis_name=...)")
+    if reduce != "window":
+      raise WeightedAccumulationError(
+        f"{what}(reduce={reduce!r}): outside shard_map, axis_name="
+        f"{axis_name!r} makes a stacked per-replica window, which reduces "
+        "once at its close (reduce='window'). Use reduce='window', or make "
+        "the window inside the shard_map that holds the replicas."
+      )
+    return replicas.init(s, params, names, what)
+  axes = _axes(axis_name, f"{what}(axis_name=...)")
+  if reduce == "microbatch":  # global sums: the same on every replica
+    return s.replace(placement=base.Placement(base.REPLICA, axes, reduce))
   per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
   return s.replace(
-    **{k: _tree.to_varying(getattr(s, k), axes) for k in per_replica}
+    placement=base.Placement(base.REPLICA, axes, reduce),
+    **{k: _tree.to_varying(getattr(s, k), axes) for k in per_replica},
   )
 
 
-def _check_microbatch_mode(
-  state: AccumState, axes: tuple[str, ...], what: str
-) -> None:
-  varying = [
-    p for p, b in _tree.flat(state.grads) if _tree.varying_axes(b) & set(axes)
-  ]
-  if varying:
-    raise WeightedAccumulationError(
-      f"{what}(state): buffer {varying[0]} varies over {axes}: this "
-      "window holds per-replica sums (reduce='window'). Keep one mode per "
-      "window: pass reduce='window', or start the window with "
-      "weighted_accum.init for reduce='microbatch'."
-    )
-
-
-def _accumulate(
+def accumulate(
   state: AccumState,
   grads: Any,
   weight: Any,
-  axis_name: AxisName,
   *,
   mean: bool,
-  reduce: str,
   checked: bool,
   name: str,
 ) -> AccumState:
-  """Validates, then adds the microbatch (see ``docs/design.md``, "Data
-  parallelism", for the cases)."""
-  what = f"distributed.{name}"
-  axes = _axes(axis_name, what)
-  reduce = _check_reduce(reduce, what)
-  validation.instance(
-    state,
-    AccumState,
-    what=f"{what}(state)",
-    hint="Pass the window from distributed.init (reduce='window') or "
-    "weighted_accum.init (reduce='microbatch').",
-  )
-  if replicas.is_stacked(state):  # this replica's block of a stacked window
-    kw = dict(mean=mean, reduce=reduce, checked=checked, name=name)
-    state = replicas.unstack(state, axes, what)
-    return replicas.stack(_accumulate(state, grads, weight, axes, **kw), axes)
+  """Adds a microbatch to a per-replica or stacked window, as its placement
+  says (see ``docs/design.md``, "Data parallelism", for the cases)."""
+  pl = state.placement
+  axes = _axes(pl.axes, name)
+  if pl.kind == base.STACKED:  # this replica's block of a stacked window
+    kw = dict(mean=mean, checked=checked, name=name)
+    inner = accumulate(replicas.unstack(state, axes, name), grads, weight, **kw)
+    return replicas.stack(inner, axes)
   add = functools.partial(
-    accumulation.add, checked=checked, name=what, allow_reduced=True
+    accumulation.add, checked=checked, name=name, allow_reduced=True
   )
-  if reduce == "microbatch":
-    if _tree.vma_checked(axes):
-      _check_microbatch_mode(state, axes, what)
+  if pl.reduce == "microbatch":
     contrib, gweight = reduce_microbatch(
-      state, grads, weight, axes, mean=mean, what=what
+      state, grads, weight, axes, mean=mean, what=name
     )
     return add(state, contrib, gweight, mean=False)
-  leaves = accumulation.check_structure(state, grads, what)
+  leaves = accumulation.check_structure(state, grads, name)
   reduced = local_grads.leaf_status(
-    leaves, _tree.leaf_paths(state.grads), axes, f"{what}(grads)"
+    leaves, _tree.leaf_paths(state.grads), axes, f"{name}(grads)"
   )
   if not reduced:
     return add(state, grads, weight, mean=mean)
   contrib, gweight = global_contribution(
-    state, leaves, weight, axes, mean=mean, reduced=True, what=what
+    state, leaves, weight, axes, mean=mean, reduced=True, what=name
   )
   # Reduced grads in a per-replica window: one replica owns the global
-  # contribution, the others add nothing; finish_mean's psum restores it
+  # contribution, the others add nothing; the close's psum restores it
   # exactly (no division by the replica count, no rounding).
   owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
   gweight = validation.Weight(
@@ -306,138 +249,6 @@ def _global_weight(
   return sums, validation.Weight(hi, lo, ok)
 
 
-def accumulate_sum(
-  state: AccumState,
-  grads: Any,
-  weight: ArrayLike,
-  axis_name: AxisName,
-  *,
-  reduce: str = "window",
-  checked: bool = False,
-) -> AccumState:
-  """Adds a replica's gradients of its microbatch's loss SUM, inside shard_map.
-
-  Accepts local gradients (from
-  :func:`~weighted_accum.distributed.local_grad`) and gradients already
-  summed over ``axis_name`` by autodiff (``jax.grad`` of unvarying params)
-  alike, telling them apart by type, and gives the same exact result.
-
-  Args:
-    state: the window (from :func:`init` for ``reduce="window"``, from
-      :func:`weighted_accum.init` for ``reduce="microbatch"``).
-    grads: gradients of THIS replica's loss sum (local), or their sum over
-      the replicas (already reduced by autodiff).
-    weight: THIS replica's item count for the microbatch (0 allowed).
-    axis_name: the data axis name, or a tuple of names.
-    reduce: ``"window"`` (default): local gradients are added as they are and
-      :func:`finish_mean` reduces once; already-reduced ones are added by one
-      replica (the others add zero) after a scalar ``psum`` of the weights.
-      ``"microbatch"``: sums and weights are all-reduced now (one collective
-      per microbatch) and every replica adds the global values.
-    checked: as for :func:`weighted_accum.accumulate_sum`.
-
-  Returns:
-    The new state. An invalid weight on any replica rejects the microbatch
-    on every replica when the weights are reduced now; in window mode with
-    local gradients it is rejected on its own replica only.
-
-  Raises:
-    WeightedAccumulationError: for an unbound axis, an unknown ``reduce``, a
-      grads tree not matching the buffers or mixing local and reduced leaves,
-      or (microbatch mode) a state that holds per-replica sums.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from weighted_accum import distributed as dist
-    >>> n = jax.device_count()
-    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> loss_sum = lambda p, x: jnp.sum(x * p)
-    >>> def step(p, x):   # x: this replica's items; every item's grad is x
-    ...   s = dist.init(p, 'data')
-    ...   g = jax.grad(loss_sum)(p, x)          # already reduced: also fine
-    ...   s = dist.accumulate_sum(s, g, x.size, 'data')
-    ...   return dist.finish_mean(s, 'data')[0].grads
-    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                           out_specs=P()))
-    >>> x = jnp.tile(jnp.arange(4.), n)   # items 0, 1, 2, 3 on each replica
-    >>> float(f(jnp.ones(()), x))          # their mean, with any device count
-    1.5
-  """
-  return _accumulate(
-    state,
-    grads,
-    weight,
-    axis_name,
-    mean=False,
-    reduce=reduce,
-    checked=checked,
-    name="accumulate_sum",
-  )
-
-
-def accumulate_mean(
-  state: AccumState,
-  grads: Any,
-  weight: ArrayLike,
-  axis_name: AxisName,
-  *,
-  reduce: str = "window",
-  checked: bool = False,
-) -> AccumState:
-  """Adds a replica's gradients of its microbatch's loss MEAN, inside shard_map.
-
-  ``weight`` is THIS replica's count the mean divided by; the contribution
-  is ``cast(grads) * weight`` as in :func:`weighted_accum.accumulate_mean`.
-  Gradients already reduced by autodiff are accepted when every replica used
-  the same count (an unvarying ``weight``); with per-replica counts they are
-  the equal-weight average of unequal means, which cannot be undone, and
-  this raises.
-
-  Args:
-    state: the window; see :func:`accumulate_sum`.
-    grads: gradients of THIS replica's mean loss (local), or already reduced.
-    weight: THIS replica's item count the mean divided by.
-    axis_name: the data axis name, or a tuple of names.
-    reduce: ``"window"`` or ``"microbatch"``; see :func:`accumulate_sum`.
-    checked: as for :func:`weighted_accum.accumulate_mean`.
-
-  Returns:
-    The new state; see :func:`accumulate_sum`.
-
-  Raises:
-    WeightedAccumulationError: as :func:`accumulate_sum`, and for
-      already-reduced mean gradients with a per-replica (varying) weight.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from weighted_accum import distributed as dist
-    >>> n = jax.device_count()
-    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> loss_mean = lambda p, x: jnp.mean(x * p)
-    >>> def step(p, x):
-    ...   s = dist.init(p, 'data')
-    ...   g = dist.local_grad(loss_mean, 'data')(p, x)
-    ...   s = dist.accumulate_mean(s, g, x.size, 'data')
-    ...   return dist.finish_mean(s, 'data')[0].grads
-    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                           out_specs=P()))
-    >>> float(f(jnp.ones(()), jnp.tile(jnp.arange(4.), n)))
-    1.5
-  """
-  return _accumulate(
-    state,
-    grads,
-    weight,
-    axis_name,
-    mean=True,
-    reduce=reduce,
-    checked=checked,
-    name="accumulate_mean",
-  )
-
-
 # --------------------------------------------------------------- reduction --
 
 
@@ -493,92 +304,28 @@ def reduce_sums(
   return window.reduce_finished(out, axes, what="reduce_sums")
 
 
-def _check_global_window(
-  state: AccumState, axes: tuple[str, ...], what: str
-) -> None:
-  named = [("weight", state.weight_hi)] + _tree.flat(state.grads)
-  for path, x in named:
-    if _tree.varying_axes(x) & set(axes):
-      raise WeightedAccumulationError(
-        f"{what}(state): {path} varies over {axes}, so the window holds "
-        "per-replica values, not the global sums reduce='microbatch' "
-        "keeps. Finish it with reduce='window'."
-      )
-
-
-def finish_mean(
-  state: AccumState,
-  axis_name: AxisName,
-  *,
-  reduce: str = "window",
-  next_loss_scale: ArrayLike | None = None,
+def finish(
+  state: AccumState, next_loss_scale: Any, what: str
 ) -> tuple[AccumulatedGradients, AccumState]:
-  """Finishes a data-parallel window: the exact global mean gradient.
+  """Closes a per-replica or stacked window, as its placement says: the
+  exact global mean, identical on every replica, and the next window.
 
-  ``reduce="window"``: :func:`weighted_accum.finish_sums` then
-  :func:`reduce_sums`, summing the weight's (hi, lo) parts (each in
-  float32, so exact while every part sum is); one
-  collective round. ``reduce="microbatch"``: the buffers already hold the
-  global sums, so this is :func:`weighted_accum.finish_mean` with no
-  communication. Pass the mode the window was accumulated in: a
-  ``"microbatch"`` window finished with ``reduce="window"`` would sum its
-  already-global weight once more (the types cannot tell the two apart).
-
-  Args:
-    state: the window.
-    axis_name: the data axis name, or a tuple of names.
-    reduce: the mode the window was accumulated in.
-    next_loss_scale: the next window's loss scale (default: unchanged).
-
-  Returns:
-    ``(out, new_state)``: ``out`` as :func:`reduce_sums` (identical on every
-    replica; ``out.issued`` counts microbatches summed over the replicas, K
-    per replica in either mode). ``new_state`` is an empty window typed
-    like ``state`` (a ``lax.scan`` carry stays valid); for a zero global
-    weight its counters are unchanged, as in
-    :func:`weighted_accum.finish_mean` under ``jit``.
-
-  Raises:
-    WeightedAccumulationError: for an unbound axis, an unknown ``reduce``, a
-      loss scale varying over the axis, or ``reduce="microbatch"`` on a state
-      holding per-replica sums.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> import weighted_accum as wa
-    >>> from weighted_accum import distributed as dist
-    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> n = mesh.size   # replicas
-    >>> def step(p, x):   # a window of one microbatch, reduced at once
-    ...   s = wa.init(p)
-    ...   g = dist.local_grad(lambda p: jnp.sum(x * p), 'data')(p)
-    ...   s = dist.accumulate_sum(s, g, x.size, 'data', reduce='microbatch')
-    ...   return dist.finish_mean(s, 'data', reduce='microbatch')[0].grads
-    >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P('data')),
-    ...                           out_specs=P()))
-    >>> float(f(jnp.ones(()), jnp.tile(jnp.arange(4.), n)))
-    1.5
-  """
-  what = "distributed.finish_mean"
-  reduce = _check_reduce(reduce, what)
-  validation.instance(
-    state,
-    AccumState,
-    what=f"{what}(state)",
-    hint="Pass the data-parallel window.",
-  )
-  next_loss_scale = validation.optional_loss_scale(
-    next_loss_scale,
-    what=f"{what}(next_loss_scale=...)",
-    dtype=state.loss_scale.dtype,
-  )
-  if replicas.is_stacked(state) and reduce == "window":
-    return _finish_stacked(state, axis_name, next_loss_scale)
-  axes = _axes(axis_name, what)
-  if reduce == "microbatch":
-    if _tree.vma_checked(axes):
-      _check_global_window(state, axes, what)
+  ``reduce="window"``: one collective round of the sums with the weight's
+  exact (hi, lo) parts. ``reduce="microbatch"``: the buffers already hold
+  the global sums, so no communication. A stacked window under plain
+  ``jit``: one reduction of the replicas' blocks, then the one close path.
+  ``out.issued`` counts microbatches summed over the replicas."""
+  pl = state.placement
+  if pl.kind == base.STACKED:
+    axes = validation.axis_names(pl.axes, what=what)
+    if not replicas.bound(axes):
+      return replicas.finish_mean(state, axes, next_loss_scale)
+    out, new = finish(
+      replicas.unstack(state, axes, what), next_loss_scale, what
+    )
+    return out, replicas.stack(new, axes)
+  axes = _axes(pl.axes, what)
+  if pl.reduce == "microbatch":
     out, new_state, _ = window.finish(
       state, mean=True, next_loss_scale=next_loss_scale, what=what
     )
@@ -588,18 +335,3 @@ def finish_mean(
     state, mean=True, next_loss_scale=next_loss_scale, axes=axes, what=what
   )
   return out, new_state
-
-
-def _finish_stacked(
-  state: AccumState, axis_name: AxisName, next_loss_scale: Any
-) -> tuple[AccumulatedGradients, AccumState]:
-  """``finish_mean`` of a stacked per-replica window: of this replica's
-  block inside ``shard_map``, or of the whole under plain ``jit``."""
-  what = "distributed.finish_mean"
-  axes = validation.axis_names(axis_name, what=what)
-  if not replicas.bound(axes):
-    return replicas.finish_mean(state, axes, next_loss_scale)
-  out, new = finish_mean(
-    replicas.unstack(state, axes, what), axes, next_loss_scale=next_loss_scale
-  )
-  return out, replicas.stack(new, axes)

@@ -7,7 +7,7 @@ scalars. Its leaves are ordinary global arrays, so a jitted step returns it
 and takes it back (donated, host-readable), while replica ``r``'s slice is
 its own per-replica window, never reduced mid-window.
 
-- :func:`init` builds one outside ``shard_map`` (``distributed.init``);
+- :func:`init` builds one outside ``shard_map`` (``wa.init(..., axis_name=...)``);
 - inside ``shard_map`` over the data axes each replica holds a block
   ``[1, ...]`` of it (:func:`specs` are the specs to pass it with):
   :func:`unstack` and :func:`stack` convert between the block and the
@@ -44,8 +44,9 @@ PER_REPLICA = ("grads",) + COUNTS
 
 
 def is_stacked(state: AccumState) -> bool:
-  """Whether ``state`` is a stacked window (or a block of one)."""
-  return np.ndim(state.weight_hi) == 1
+  """Whether ``state`` is a stacked window (or a block of one): read from
+  its placement, never from its shapes."""
+  return state.placement.kind == base.STACKED
 
 
 def bound(axes: Axes) -> bool:
@@ -60,7 +61,7 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
   fields = {
     k: one if k in PER_REPLICA else P() for k in ("grads",) + base.NAMES
   }
-  return AccumState(dtype=state.dtype, **fields)
+  return AccumState(dtype=state.dtype, placement=state.placement, **fields)
 
 
 def check_block(state: AccumState, n: int, what: str) -> None:
@@ -71,9 +72,8 @@ def check_block(state: AccumState, n: int, what: str) -> None:
       raise WeightedAccumulationError(
         f"{what}(state): leaf {path} has shape {np.shape(x)}; a stacked "
         f"per-replica window has a leading replica axis of {n} here. Start "
-        "it with weighted_accum.distributed.init(params, axis_name) outside "
-        "shard_map, and pass it into shard_map with "
-        "weighted_accum.distributed.window_specs(state, axis_name)."
+        "it with wa.init(params, axis_name=...) outside shard_map, and pass "
+        "it into shard_map with weighted_accum.distributed.window_specs(state)."
       )
 
 
@@ -82,7 +82,8 @@ def unstack(block: AccumState, axes: Axes, what: str) -> AccumState:
   stacked window (inside ``shard_map`` over ``axes``)."""
   check_block(block, 1, what)
   return block.replace(
-    **{k: jax.tree.map(lambda x: x[0], getattr(block, k)) for k in PER_REPLICA}
+    placement=base.Placement(base.REPLICA, axes, "window"),
+    **{k: jax.tree.map(lambda x: x[0], getattr(block, k)) for k in PER_REPLICA},
   )
 
 
@@ -94,7 +95,8 @@ def stack(state: AccumState, axes: Axes) -> AccumState:
     return tree_utils.to_varying(x, axes)[None]
 
   return state.replace(
-    **{k: jax.tree.map(one, getattr(state, k)) for k in PER_REPLICA}
+    placement=base.Placement(base.STACKED, axes),
+    **{k: jax.tree.map(one, getattr(state, k)) for k in PER_REPLICA},
   )
 
 
@@ -153,6 +155,7 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
 
   return state.replace(
     grads=jax.tree.map(zeros, state.grads),
+    placement=base.Placement(base.STACKED, axes),
     **{k: zeros(getattr(state, k)) for k in COUNTS},
   )
 
@@ -194,7 +197,7 @@ def to_global(
       st.grads, scalars, axes, vma_on=True, plan=plan
     )
     counts = {k: tot[k].astype(scalars[k].dtype) for k in COUNTS}
-    return st.replace(grads=sums, **counts)
+    return st.replace(grads=sums, placement=base.GLOBAL_WINDOW, **counts)
 
   return jax.shard_map(
     body,
@@ -225,10 +228,10 @@ def next_window(stacked: AccumState, closed: AccumState) -> AccumState:
 
 @functools.partial(jax.jit, static_argnums=1)
 def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
-  """``distributed.finish_mean`` of a stacked window under plain ``jit``:
+  """``wa.finish_mean`` of a stacked window under plain ``jit``:
   one reduction (:func:`to_global`), the one finish path, the next
   stacked window."""
-  mesh = mesh_of(state, axes, "distributed.finish_mean")
+  mesh = mesh_of(state, axes, "finish_mean")
   glob = to_global(state, axes, mesh)
   out, closed, _ = window.finish(
     glob, mean=True, next_loss_scale=next_loss_scale
@@ -236,64 +239,61 @@ def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
   return out, next_window(state, closed)
 
 
-def window_specs(state: AccumState, axis_name: str | Axes) -> AccumState:
+_AXES_FROM_WINDOW = (
+  "The window knows its axes (wa.init(params, axis_name=...)): call "
+  "window_specs(state)."
+)
+
+
+@validation.refuse_removed(arity=1, axis_name=_AXES_FROM_WINDOW)
+def window_specs(state: AccumState) -> AccumState:
   """The ``jax.shard_map`` specs of a stacked per-replica window.
 
-  A window started by ``distributed.init`` outside ``shard_map`` carries
-  each per-replica field on a leading replica axis of size N sharded over
-  ``axis_name``: buffers ``[N, *param.shape]`` (each replica's full-size
-  partial sum, laid out like its param without the data axes), weight
-  pair and counts ``[N]``; ``windows`` and ``loss_scale`` stay shared
-  scalars. Its leaves are ordinary global arrays, so jitted steps return it
-  and take it back (donated), and no step reduces it before the close:
-  under plain ``jit`` add to it with ``f.accumulate`` of
-  ``microbatched_value_and_grad(..., data_axes=...)`` and close it with
-  ``wa.apply_window(..., axis_name=...)`` or ``distributed.finish_mean``
-  (one reduction per window, the exact weight included). Pass it into and
-  out of ``shard_map`` with these specs
-  (``P(axis_name)`` for the per-replica fields, ``P()`` for ``windows`` and
-  ``loss_scale``); inside, each replica holds its block, which
-  :func:`accumulate_sum`/:func:`accumulate_mean`, :func:`finish_mean`,
-  ``f.accumulate`` of :func:`weighted_accum.microbatched_value_and_grad`
-  and :func:`weighted_accum.apply_window` (with ``axis_name``) take and
-  return as such.
+  A window made by ``wa.init(params, axis_name=...)`` outside ``shard_map``
+  carries each per-replica field on a leading replica axis of size N
+  sharded over its axes: buffers ``[N, *param.shape]`` (each replica's
+  full-size partial sum, laid out like its param without the data axes),
+  weight pair and counts ``[N]``; ``windows`` and ``loss_scale`` stay
+  shared scalars. Its leaves are ordinary global arrays, so jitted steps
+  return it and take it back (donated), and no step reduces it before the
+  close: under plain ``jit`` add to it with ``f.accumulate`` of
+  ``microbatched_value_and_grad(..., axis_name=...)`` and close it with
+  ``wa.apply_window`` or ``wa.finish_mean`` (one reduction per window, the
+  exact weight included). Pass it into and out of ``shard_map`` with these
+  specs (``P(axes)`` for the per-replica fields, ``P()`` for ``windows``
+  and ``loss_scale``); inside, each replica holds its block, which every
+  entry point takes and returns as such.
 
   Args:
     state: the stacked window (or its abstract shape).
-    axis_name: the data axis name, or a tuple of names.
 
   Returns:
     An :class:`~weighted_accum.AccumState` of ``PartitionSpec`` (a prefix
     tree for ``in_specs``/``out_specs``).
 
   Raises:
-    WeightedAccumulationError: for an invalid axis name or a state that is
-      not an ``AccumState``.
+    WeightedAccumulationError: for a state that is not an ``AccumState``
+      or not a stacked window.
 
   Example:
-    >>> import jax, jax.numpy as jnp, numpy as np
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> from weighted_accum import distributed as dist
-    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
-    >>> params = jax.device_put({'w': jnp.zeros(3)}, NamedSharding(mesh, P()))
-    >>> state = dist.init(params, 'data')          # outside shard_map
-    >>> state.grads['w'].shape == (mesh.size, 3), state.issued.shape == (
-    ...     mesh.size,)
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import weighted_accum as wa
+    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
+    >>> params = jax.device_put(jnp.zeros(3), jax.NamedSharding(mesh, P()))
+    >>> state = wa.init(params, axis_name='data')
+    >>> specs = wa.distributed.window_specs(state)
+    >>> specs.grads == P('data'), specs.loss_scale == P()
     (True, True)
-    >>> specs = dist.window_specs(state, 'data')
-    >>> specs.grads == P('data'), specs.weight_hi == P('data'), specs.windows
-    (True, True, P())
   """
   what = "distributed.window_specs"
-  axes = validation.axis_names(axis_name, what=what)
   validation.instance(
     state, AccumState, what=f"{what}(state)", hint="Pass the stacked window."
   )
   if not is_stacked(state):
     raise WeightedAccumulationError(
-      f"{what}(state): this window is not stacked per replica (its counters "
-      "are scalars: a wa.init window); start it with distributed.init(params, "
-      f"{axis_name!r}) outside shard_map, or pass a wa.init window with "
-      "in_specs=P() (replicated)."
+      f"{what}(state): this window is {state.placement.kind}, not stacked "
+      "per replica; make one with wa.init(params, axis_name=...) outside "
+      "shard_map, or pass a global window with in_specs=P() (replicated)."
     )
-  return specs(state, axes)
+  return specs(state, state.placement.axes)

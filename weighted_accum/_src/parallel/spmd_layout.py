@@ -14,7 +14,8 @@ import jax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from weighted_accum._src.core import window
+from weighted_accum._src import validation
+from weighted_accum._src.core import tree_utils
 from weighted_accum._src.errors import WeightedAccumulationError
 
 Axes = tuple[str, ...]
@@ -131,7 +132,9 @@ def plan(leaves: tuple[Leaf, ...], axes: Axes, *, scattered: bool) -> tuple:
       out.append(None)
       continue
     rest = tuple(a for a in axes if a not in e.scatter)
-    out.append(window.LeafReduce(rest, () if scattered else e.scatter, e.dim))
+    out.append(
+      tree_utils.LeafReduce(rest, () if scattered else e.scatter, e.dim)
+    )
   return tuple(out)
 
 
@@ -140,3 +143,80 @@ def grad_spec(e: Leaf) -> P:
   if not e.scatter:
     return P()
   return P(*([None] * e.dim), entry(e.scatter))
+
+
+FSDP_MODES = ("gather_once", "scatter_each")
+
+
+class DataParallel:
+  """The data-parallel part of an in-step window: its axes and FSDP layout.
+
+  Pass it as ``microbatched_value_and_grad(..., axis_name=DataParallel(...))``
+  where a plain axis name is not enough: under plain ``jax.jit`` with
+  ``Auto`` mesh axes, the params' ``PartitionSpec`` tree (which the types do
+  not carry there), and how the gradients of params sharded over a data
+  axis (FSDP) are reduced. A frozen, hashable value, validated when it is
+  made.
+
+  Args:
+    axis_name: the data axis name, or a tuple of names.
+    param_specs: the params' ``PartitionSpec`` tree (``None`` leaves:
+      replicated), or ``None`` (every param replicated over the data axes,
+      or, on an ``Explicit`` mesh, read from the params' types).
+    fsdp: ``"gather_once"`` (the default: a full-size per-replica carry,
+      one reduce-scatter per call) or ``"scatter_each"`` (one reduce-scatter
+      per microbatch into a carry of the param's shard).
+
+  Raises:
+    WeightedAccumulationError: for an invalid axis name, a ``param_specs``
+      leaf that is not a ``PartitionSpec``, or an unknown ``fsdp``.
+
+  Example:
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from weighted_accum.distributed import DataParallel
+    >>> dp = DataParallel('data', param_specs={'w': P('data')})
+    >>> dp.axes, dp.fsdp
+    (('data',), 'gather_once')
+  """
+
+  __slots__ = ("axes", "param_specs", "fsdp", "_key")
+
+  def __init__(
+    self,
+    axis_name: str | Axes,
+    *,
+    param_specs: Any = None,
+    fsdp: str = "gather_once",
+  ) -> None:
+    what = "DataParallel"
+    axes = validation.axis_names(axis_name, what=f"{what}(axis_name)")
+    specs = validation.partition_specs(param_specs, what=f"{what}(param_specs)")
+    fsdp = validation.choice(
+      fsdp,
+      FSDP_MODES,
+      what=what,
+      name="fsdp",
+      hint="'gather_once': one reduce-scatter per call from a full-size "
+      "carry; 'scatter_each': one per microbatch into a sharded carry.",
+    )
+    leaves, treedef = jax.tree.flatten(
+      specs, is_leaf=lambda v: v is None or isinstance(v, P)
+    )
+    key = (axes, fsdp, treedef, tuple(leaves))
+    for name, value in zip(self.__slots__, (axes, specs, fsdp, key)):
+      object.__setattr__(self, name, value)
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(f"DataParallel is frozen; cannot set {name!r}")
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, DataParallel) and self._key == other._key
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+  def __repr__(self) -> str:
+    return (
+      f"DataParallel({self.axes!r}, param_specs={self.param_specs!r}, "
+      f"fsdp={self.fsdp!r})"
+    )

@@ -49,11 +49,18 @@ from weighted_accum._src.validation.options import (
 from weighted_accum._src.validation.options import (
   partition_specs as partition_specs,
 )
+from weighted_accum._src.validation.options import shared as shared
 from weighted_accum._src.validation.options import static_flag as static_flag
 from weighted_accum._src.validation.options import static_int as static_int
 from weighted_accum._src.validation.options import traced_flag as traced_flag
 from weighted_accum._src.validation.options import (
   transformation as transformation,
+)
+from weighted_accum._src.validation.removed import (
+  refuse_removed as refuse_removed,
+)
+from weighted_accum._src.validation.removed import (
+  removed_attribute as removed_attribute,
 )
 from weighted_accum._src.validation.restored import (
   saved_counters as saved_counters,

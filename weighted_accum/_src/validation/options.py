@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weighted_accum._src.core.tree_utils import is_traced
+from weighted_accum._src.core.tree_utils import varying_axes
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.validation.values import INT32_MAX
 from weighted_accum._src.validation.values import MODES
@@ -223,6 +224,32 @@ def partition_specs(x: Any, *, what: str) -> Any:
       "params of jax.sharding.PartitionSpec (None: replicated)."
     )
   return x
+
+
+def shared(x: Any, axes: Sequence[str], *, what: str) -> Any:
+  """``x``, refused if it varies over any of the data ``axes`` (inside
+  ``shard_map``): a value every replica must take alike (a loss scale, a
+  next loss scale, a normaliser, a finish decision). The one check of
+  sharedness at every entry point that takes such a value."""
+  if x is None or not axes:
+    return x
+  varying = sorted(set(axes) & _varying(x))
+  if varying:
+    raise WeightedAccumulationError(
+      f"{what}: the value varies over {varying}, but every replica must "
+      "take the same one (or the replicas divide or close differently). "
+      "Pass it into shard_map with P() (the same on every replica), or "
+      "agree on it first: jax.lax.psum of a count, jax.lax.pmax of a flag."
+    )
+  return x
+
+
+def _varying(x: Any) -> set[str]:
+  out: set[str] = set()
+  for leaf in jax.tree.leaves(x):
+    if is_traced(leaf):
+      out |= set(varying_axes(leaf))
+  return out
 
 
 def bound_axes(x: Any, *, what: str) -> tuple[str, ...]:
