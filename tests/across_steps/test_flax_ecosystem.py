@@ -112,10 +112,13 @@ def test_flax_stock_train_state_points_to_the_librarys(form):
   inner = optax.sgd(0.1)
   tx = {
     "class": wa.WeightedMultiSteps(inner, 2, mode="mean"),
-    "function": wa.WeightedMultiSteps(inner, 2, mode="mean"),
+    "function": wa.WeightedMultiSteps(
+      inner, 2, mode="mean"
+    ).gradient_transformation(),
     "chain": optax.chain(
       optax.clip_by_global_norm(1.0),
-      wa.WeightedMultiSteps(inner, 2, mode="mean"),
+      # In a chain, the ExtraArgs form: the chain forwards weight= to it.
+      wa.WeightedMultiSteps(inner, 2, mode="mean").gradient_transformation(),
     ),
   }[form]
   stock = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)

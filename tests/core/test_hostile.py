@@ -1048,7 +1048,7 @@ def test_distributed_next_loss_scale_named_or_stored(reduce, scale, ok):
   else:
     with pytest.raises(
       Error,
-      match=r"distributed.finish_mean\("
+      match=r"finish_mean\("
       r"next_loss_scale=...\)",
     ):
       jax.eval_shape(f, PARAMS, jnp.ones(N))

@@ -224,7 +224,7 @@ def test_counter_table_defines_state_counters_and_checkpoint_dtypes():
 
   names = [name for name, _ in base.COUNTERS]
   fields = [f.name for f in dataclasses.fields(wa.AccumState)]
-  assert fields == ["grads", *names, "dtype"]
+  assert fields == ["grads", *names, "dtype", "placement"]
   state = wa.init({"w": jnp.zeros(2)}, loss_scale=4.0)
   assert list(state.counters) == names
   for name, c in base.COUNTERS:
