@@ -491,7 +491,6 @@ def test_refuses_a_python_scalar_of_another_type(tmp_path):
     ("windows", -2, "'windows'"),
     ("loss_scale", 0.0, "'loss_scale'"),
     ("loss_scale", -2.0, "'loss_scale'"),
-    ("loss_scale", np.nan, "'loss_scale'"),
   ],
 )
 def test_refuses_invalid_counters(saved, field, value, needle):
