@@ -24,8 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from weighted_accum._src import validation
+from weighted_accum._src.core import accumulation
 from weighted_accum._src.core import base
-from weighted_accum._src.core import functional
 from weighted_accum._src.core import numerics
 from weighted_accum._src.core import tree_utils as _tree
 from weighted_accum._src.core.base import AccumState
@@ -82,11 +82,11 @@ def abstract_state(
     ((2, 3), dtype(bfloat16), dtype(bfloat16))
   """
   shapes = jax.eval_shape(
-    functools.partial(functional.init, dtype=dtype, axis_name=axis_name),
-    params,
+    functools.partial(accumulation.init, dtype=dtype), params
   )
-  if shapes.placement.kind == base.STACKED:
-    return _stacked_abstract(shapes, params)
+  if axis_name is not None:
+    axes = validation.axis_names(axis_name, what=_WHAT)
+    return _stacked_abstract(shapes, params, axes)
 
   def with_sharding(sds, p):
     sharding = getattr(p, "sharding", None)
@@ -95,37 +95,50 @@ def abstract_state(
   return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads, params))
 
 
-def _stacked_abstract(shapes: AccumState, params: Any) -> AccumState:
-  """A stacked window's shapes with the shardings ``wa.init`` gives: the
-  replica axis over the data axes, the rest like the param without them;
-  the shared scalars replicated. Unchanged without a mesh in the params."""
-  axes = shapes.placement.axes
+_WHAT = "abstract_state(axis_name=...)"
+
+
+def _stacked_abstract(
+  shapes: AccumState, params: Any, axes: tuple[str, ...]
+) -> AccumState:
+  """The stacked window ``wa.init(params, axis_name=axes)`` makes outside
+  ``shard_map``, abstract: a leading replica axis (sharded over the axes)
+  on the buffers and per-replica counters, the rest of each buffer like
+  its param without the axes, the shared scalars replicated."""
   meshes = [
     s.mesh
     for s in (getattr(p, "sharding", None) for p in jax.tree.leaves(params))
     if isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
   ]
   if not meshes:
-    return shapes
+    raise WeightedAccumulationError(
+      f"{_WHAT}: no param is on a mesh with the axes {axes}, so the replica "
+      "count is unknown. Pass the new run's params (or ShapeDtypeStructs "
+      "with their NamedShardings)."
+    )
   mesh, head = meshes[0], spmd_layout.entry(axes)
+  n = spmd_layout.size(mesh, axes)
 
   def stacked(sds, p):
     s = getattr(p, "sharding", None)
     spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
-    spec = spec + (None,) * (len(sds.shape) - 1 - len(spec))
+    spec = spec + (None,) * (len(sds.shape) - len(spec))
     rest = tuple(spmd_layout.without(spec, axes))
     sharding = NamedSharding(mesh, P(head, *rest))
-    return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct((n,) + sds.shape, sds.dtype, sharding=sharding)
 
   def counter(name):
     sds = getattr(shapes, name)
-    spec = P(head) if name in PER_REPLICA else P()
-    return jax.ShapeDtypeStruct(
-      sds.shape, sds.dtype, sharding=NamedSharding(mesh, spec)
-    )
+    if name not in PER_REPLICA:
+      return jax.ShapeDtypeStruct(
+        sds.shape, sds.dtype, sharding=NamedSharding(mesh, P())
+      )
+    sharding = NamedSharding(mesh, P(head))
+    return jax.ShapeDtypeStruct((n,), sds.dtype, sharding=sharding)
 
   return shapes.replace(
     grads=jax.tree.map(stacked, shapes.grads, params),
+    placement=base.Placement(base.STACKED, axes),
     **{name: counter(name) for name in base.NAMES},
   )
 
