@@ -17,6 +17,8 @@ import sys
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -169,6 +171,28 @@ def test_stacked_window_resumes_in_a_new_process_bitwise(
     for path, _, shape, raw in want_grads:
       x = got[f"{step}/grads{path}"]
       assert x.shape == shape and x.tobytes() == raw, (step, path)
+
+
+def test_abstract_state_is_shaped_and_placed_as_init():
+  """On a 2-D mesh with a param sharded over the model axis: the stacked
+  template has wa.init's shapes, dtypes and shardings, leaf by leaf."""
+  mesh = jax.sharding.Mesh(
+    np.array(jax.devices()).reshape(4, 2), ("data", "model")
+  )
+  params = {
+    "w": jax.device_put(
+      jnp.zeros((3, 4)), NamedSharding(mesh, P(None, "model"))
+    ),
+    "b": jax.device_put(jnp.zeros(4), NamedSharding(mesh, P())),
+  }
+  real = wa.init(params, BF16, axis_name="data")
+  abstract = wa.checkpoint.abstract_state(params, BF16, axis_name="data")
+  assert abstract.placement == real.placement and abstract.dtype == BF16
+  for a, r in zip(jax.tree.leaves(abstract), jax.tree.leaves(real)):
+    assert (a.shape, a.dtype) == (r.shape, r.dtype)
+    assert a.sharding.is_equivalent_to(r.sharding, len(r.shape))
+  with pytest.raises(Error, match=r"abstract_state\(axis_name=...\).*mesh"):
+    wa.checkpoint.abstract_state({"w": jnp.zeros(3)}, axis_name="data")
 
 
 # 2. Other kinds, replica counts and meshes: exact or refused --------------------
