@@ -80,7 +80,11 @@ class AccumRestore(ocp.args.CheckpointArgs):
       sharding; a ``ShapeDtypeStruct`` without one gets the saved sharding
       when the current devices allow it; an uncommitted array (the scalars
       of a fresh ``wa.init`` or ``tx.init``) comes back uncommitted. Dtypes
-      must match exactly. Only read, never modified.
+      must match exactly. Only read, never modified. Its windows must be
+      of the saved kinds (``state.placement``): a stacked window restores
+      into ``abstract_state(params, dtype, axis_name=...)`` (or
+      ``jax.eval_shape`` of ``wa.init(..., axis_name=...)``) of as many
+      replicas; another kind or replica count is refused.
 
   Example:
     See :class:`AccumSave`.
