@@ -229,6 +229,28 @@ def test_global_save_is_refused_by_a_stacked_template(tmp_path):
   assert _bits(got) == _bits(state) and got.placement.kind == "global"
 
 
+def test_a_per_replica_window_keeps_its_placement(tmp_path):
+  """A per-replica window returned from shard_map (reduce="microbatch":
+  it holds the global sums) restores into a template of its kind, placement
+  included, and is refused by a global one."""
+  mesh = _mesh()
+  params = {"w": jnp.zeros(3)}
+
+  def body(p, g):
+    s = wa.init(p, axis_name="data", reduce="microbatch")
+    return wa.accumulate_sum(s, {"w": g[0]}, 2.0)
+
+  make = jax.shard_map(
+    body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+  )
+  state = jax.jit(make)(params, jnp.arange(12.0).reshape(4, 3))
+  _save(tmp_path / "accum", state)
+  got = _restore(tmp_path / "accum", state)
+  assert got.placement == state.placement and _bits(got) == _bits(state)
+  with pytest.raises(Error, match="reduce='microbatch'.*template is a global"):
+    _restore(tmp_path / "accum", wa.init(params))
+
+
 def test_a_version_1_item_restores_as_a_global_window(tmp_path):
   """Items written before placements were saved hold global windows."""
   params = {"w": jnp.zeros(3)}
