@@ -10,6 +10,7 @@ Usage (the caller sets XLA_FLAGS for the device count):
   python tests/_ckpt_child.py crash CKPT_DIR            # hangs in step 2's
                                                         # write; kill it
   python tests/_ckpt_child.py optax CKPT_DIR OUT_NPZ    # wrapper resume
+  python tests/_ckpt_child.py stacked CKPT_DIR OUT_NPZ  # stacked window
 """
 
 from __future__ import annotations
@@ -69,19 +70,25 @@ def place(tree: dict, mesh) -> dict:
   return jax.tree.map(jax.device_put, tree, shardings(mesh))
 
 
-def host_grads(i: int) -> dict:
-  """Microbatch i's gradient (times LOSS_SCALE), in float32, on host."""
-  rng = np.random.default_rng(1000 + i)
+def _random_grads(seed: int, masked: bool) -> dict:
+  """Generated gradients (times LOSS_SCALE), float32, on host; NaN when
+  ``masked`` (a fully masked microbatch's mean-loss gradient)."""
+  rng = np.random.default_rng(seed)
 
   def leaf(s):
     g = (rng.standard_normal(s) * 10.0 ** rng.integers(-3, 3)).astype(
       np.float32
     ) * np.float32(LOSS_SCALE)
-    if WEIGHTS[i] == 0:
+    if masked:
       g[...] = np.nan
     return g
 
   return _tree_map(leaf, SHAPES)
+
+
+def host_grads(i: int) -> dict:
+  """Microbatch i's gradient (times LOSS_SCALE), in float32, on host."""
+  return _random_grads(1000 + i, WEIGHTS[i] == 0)
 
 
 @functools.cache  # compile once per process
@@ -256,6 +263,109 @@ def _crash(ckpt_dir: str) -> None:
   time.sleep(600)
 
 
+# A stacked per-replica window (wa.init(params, axis_name="data") outside
+# shard_map): R replicas, each fed its own microbatch per step.
+R = 4
+# Per step, each replica's weight; a zero weight comes with NaN gradients
+# (a fully masked microbatch: adds nothing).
+STACKED_WEIGHTS = (
+  (3.0, 0.0, 2.5, 1.0),
+  (7.0, 1.0, 4.0, 0.5),
+  (2.0, 5.0, 0.0, 6.0),
+)
+STACKED_STEPS = len(STACKED_WEIGHTS)
+
+
+def replica_mesh(devices):
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return jax.sharding.Mesh(np.array(devices), ("data",))
+
+
+def stacked_params(mesh) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  return jax.device_put(host_params(), NamedSharding(mesh, PartitionSpec()))
+
+
+def stacked_grads(i: int) -> dict:
+  """Step i's gradients, one microbatch per replica: leaves [R, ...]."""
+  per = [
+    _random_grads(2000 + i * R + r, STACKED_WEIGHTS[i][r] == 0)
+    for r in range(R)
+  ]
+  return _tree_map(lambda *xs: np.stack(xs), *per)
+
+
+_STACKED_STEPS_BY_MESH = {}
+
+
+def stacked_step_fn(mesh, specs):
+  """One jitted, donating step: each replica adds its microbatch's mean."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  def add(block, g, w):
+    return wa.accumulate_mean(block, jax.tree.map(lambda x: x[0], g), w[0])
+
+  if mesh not in _STACKED_STEPS_BY_MESH:  # compile once per mesh
+    data = PartitionSpec("data")
+    _STACKED_STEPS_BY_MESH[mesh] = jax.jit(
+      jax.shard_map(
+        add, mesh=mesh, in_specs=(specs, data, data), out_specs=specs
+      ),
+      donate_argnums=0,
+    )
+  return _STACKED_STEPS_BY_MESH[mesh]
+
+
+def stacked_run(state, start: int, stop: int, mesh):
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  step = stacked_step_fn(mesh, wa.distributed.window_specs(state))
+  for i in range(start, stop):
+    w = np.asarray(STACKED_WEIGHTS[i], np.float32)
+    state = step(state, stacked_grads(i), w)
+  return state
+
+
+def _stacked(ckpt_dir: str, out: str) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  import weighted_accum as wa  # pylint: disable=g-import-not-at-top
+
+  mesh = replica_mesh(jax.devices()[:R])
+  params = stacked_params(mesh)
+  template = wa.checkpoint.abstract_state(
+    params, jnp.dtype(DTYPE), axis_name="data"
+  )
+  results = {}
+  with ocp.CheckpointManager(ckpt_dir) as mngr:
+    for step in mngr.all_steps():
+      got = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+          accum=wa.checkpoint.AccumRestore(template),
+          data=ocp.args.JsonRestore(),
+        ),
+      )
+      state = got.accum
+      results[f"{step}/issued"] = np.asarray(state.issued)
+      state = stacked_run(state, got.data["next_step"], STACKED_STEPS, mesh)
+      out_grads, _ = wa.finish_mean(state)
+      for path, x in to_host(out_grads.grads).items():
+        results[f"{step}/grads{path}"] = x.view(np.uint16)
+      results[f"{step}/weight"] = np.asarray(out_grads.weight)
+  np.savez(out, **results)
+  print("DONE", flush=True)
+
+
 def main(argv: list[str]) -> None:
   cmd = argv[1]
   if cmd == "resume":
@@ -264,6 +374,8 @@ def main(argv: list[str]) -> None:
     _crash(argv[2])
   elif cmd == "optax":
     _optax(argv[2], argv[3])
+  elif cmd == "stacked":
+    _stacked(argv[2], argv[3])
   else:
     raise SystemExit(f"unknown command {cmd!r}")
 

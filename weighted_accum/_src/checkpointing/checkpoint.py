@@ -1,8 +1,11 @@
-"""Orbax checkpointing of accumulator state: ``AccumSave``, ``AccumRestore``,
-their ``AccumCheckpointHandler`` and ``abstract_state``.
+"""Orbax checkpointing of windows of every kind: ``AccumSave``,
+``AccumRestore`` and their ``AccumCheckpointHandler`` (Orbax's handler
+protocol: save, restore, metadata). The saved form, the templates
+(``abstract_state``) and the checks of restored values are in
+``saved_form``.
 
-Usage, what is written and what restoring validates: ``docs/design.md``
-("Checkpoints").
+Usage, what is written and what restoring validates:
+``docs/checkpointing.md`` and ``docs/design.md`` ("Checkpoints").
 """
 
 from __future__ import annotations
@@ -10,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import functools
 from typing import Any
 
 from etils import epath
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 import numpy as np
 import orbax.checkpoint as ocp
 
 from weighted_accum._src import validation
+from weighted_accum._src.checkpointing import saved_form as sf
+from weighted_accum._src.checkpointing.saved_form import FORMAT_VERSION
+from weighted_accum._src.checkpointing.saved_form import abstract_state
 from weighted_accum._src.core import accumulation
 from weighted_accum._src.core import base
 from weighted_accum._src.core import loss_scale
@@ -29,129 +33,12 @@ from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
 
 __all__ = [
+  "FORMAT_VERSION",
   "AccumCheckpointHandler",
   "AccumRestore",
   "AccumSave",
   "abstract_state",
 ]
-
-#: Key of this library's options in the item's Orbax custom metadata.
-OPTIONS_KEY = "weighted_accum"
-#: The format version written (the counters are those of ``AccumState``'s
-#: counter fields, ``base.COUNTERS``; a change to what is written bumps it).
-FORMAT_VERSION = 1
-#: Format versions this module can read.
-SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)
-
-_GRADS = "grads"
-_COUNTERS = "counters"
-
-
-def abstract_state(params: Any, dtype: DTypeLike = jnp.float32) -> AccumState:
-  """An abstract ``AccumState`` for ``params``, each buffer on its sharding.
-
-  ``jax.eval_shape(wa.init, params)`` gives the same shapes but drops the
-  shardings; this keeps them, so :class:`AccumRestore` places every buffer
-  where ``wa.init(params, dtype)`` would.
-
-  Args:
-    params: concrete arrays or ``jax.ShapeDtypeStruct``s (with or without a
-      ``sharding``), e.g. the params of the new run, on any mesh.
-    dtype: the work dtype the checkpoint was saved in.
-
-  Returns:
-    An ``AccumState`` of ``jax.ShapeDtypeStruct`` leaves.
-
-  Raises:
-    WeightedAccumulationError: as :func:`weighted_accum.init`.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from weighted_accum.checkpoint import abstract_state
-    >>> t = abstract_state({'w': jnp.zeros((2, 3))}, jnp.bfloat16)
-    >>> t.grads['w'].shape, t.grads['w'].dtype, t.dtype
-    ((2, 3), dtype(bfloat16), dtype(bfloat16))
-  """
-  shapes = jax.eval_shape(
-    functools.partial(accumulation.init, dtype=dtype), params
-  )
-
-  def with_sharding(sds, p):
-    sharding = getattr(p, "sharding", None)
-    return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
-
-  return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads, params))
-
-
-def _is_accum(x: Any) -> bool:
-  return isinstance(x, AccumState)
-
-
-def _key(path: tuple[str, ...]) -> str:
-  """The key of a node in the saved options (``''`` for the root).
-
-  Path entries are joined with ``/`` after JSON-pointer escaping (``~`` as
-  ``~0``, ``/`` as ``~1``), so the dict keys ``'a/b'`` and ``'a', 'b'`` get
-  distinct keys; keys without either character are written as before.
-  """
-  return "/".join(str(k).replace("~", "~0").replace("/", "~1") for k in path)
-
-
-def _unkey(key: str) -> tuple[str, ...]:
-  """The path of a :func:`_key`."""
-  if not key:
-    return ()
-  return tuple(k.replace("~1", "/").replace("~0", "~") for k in key.split("/"))
-
-
-def _unwrap(x: Any) -> Any:
-  """The value of an ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``)."""
-  get = getattr(x, "get_value", None)
-  return get() if callable(get) else x
-
-
-def _rewrap(like: Any, value: Any) -> Any:
-  """``value`` in ``like``'s ``nnx.Variable`` wrapper, if it has one."""
-  if callable(getattr(like, "get_value", None)) and hasattr(like, "replace"):
-    return like.replace(value)
-  return value
-
-
-def _plain_counters(s: AccumState) -> dict[str, Any]:
-  """The counters as arrays, unwrapped from ``nnx.Variable``s (they are
-  saved unwrapped, so an ``nnx.Optimizer``'s state restores into another's)."""
-  return {k: _unwrap(v) for k, v in s.counters.items()}
-
-
-def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
-  """``{Orbax path: (readable path, state)}`` for each AccumState in tree."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_accum)
-  keys = ocp.tree.to_flat_dict(tree, is_leaf=_is_accum)
-  return {
-    k: (_tree.path_str(p), node)
-    for (p, node), k in zip(flat, keys)
-    if _is_accum(node)
-  }
-
-
-def _split(tree: Any, counters: Any) -> Any:
-  """Replaces each AccumState by ``{'grads': ..., 'counters': {...}}``."""
-
-  def split(x):
-    if _is_accum(x):
-      return {_GRADS: x.grads, _COUNTERS: counters(x)}
-    return x
-
-  return jax.tree.map(split, tree, is_leaf=_is_accum)
-
-
-def _host_counters(s: AccumState) -> dict[str, np.ndarray]:
-  """The counters as NumPy scalars of their stored dtype (for saving)."""
-  s = jax.tree.map(_unwrap, s)
-  return {
-    name: np.array(getattr(s, name), base.dtype_of(name, s.dtype))
-    for name in base.NAMES
-  }
 
 
 @dataclasses.dataclass
@@ -193,17 +80,17 @@ class AccumRestore(ocp.args.CheckpointArgs):
       sharding; a ``ShapeDtypeStruct`` without one gets the saved sharding
       when the current devices allow it; an uncommitted array (the scalars
       of a fresh ``wa.init`` or ``tx.init``) comes back uncommitted. Dtypes
-      must match exactly. Only read, never modified.
+      must match exactly. Only read, never modified. Its windows must be
+      of the saved kinds (``state.placement``): a stacked window restores
+      into ``abstract_state(params, dtype, axis_name=...)`` (or
+      ``jax.eval_shape`` of ``wa.init(..., axis_name=...)``) of as many
+      replicas; another kind or replica count is refused.
 
   Example:
     See :class:`AccumSave`.
   """
 
   template: Any = None
-
-
-def _show(path: tuple[str, ...]) -> str:
-  return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
 class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -260,7 +147,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       )
     tree = args.state
     states = {}
-    for key, (shown, s) in _accum_nodes(tree).items():
+    for key, (shown, s) in sf.accum_nodes(tree).items():
       for path, leaf in zip(
         _tree.leaf_paths(s.grads), jax.tree.leaves(s.grads)
       ):
@@ -270,15 +157,18 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
             f"{jnp.result_type(leaf)}, but the state's work dtype is "
             f"{s.dtype}. Save states made by this library's functions."
           )
-      states[_key(key)] = {"dtype": jnp.dtype(s.dtype).name}
+      states[sf.key(key)] = {
+        "dtype": jnp.dtype(s.dtype).name,
+        "placement": sf.placement_options(s),
+      }
     if any(_tree.is_traced(x) for x in jax.tree.leaves(tree)):
       raise WeightedAccumulationError(
         "AccumSave: the state holds traced values; save a concrete state "
         "outside jit."
       )
-    saveable = _split(tree, _host_counters)
+    saveable = sf.split(tree, sf.host_counters)
     options = {
-      OPTIONS_KEY: {"format_version": FORMAT_VERSION, "states": states}
+      sf.OPTIONS_KEY: {"format_version": sf.FORMAT_VERSION, "states": states}
     }
     return await self._impl.async_save(
       directory, args=ocp.args.PyTreeSave(saveable, custom_metadata=options)
@@ -341,9 +231,9 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       )
     meta = self._read_metadata(directory, where)
     saved_states = self._check_options(meta.custom_metadata, where)
-    want = _accum_nodes(template)
+    want = sf.accum_nodes(template)
     self._check_states(want, saved_states, where)
-    target = _split(template, _plain_counters)
+    target = sf.split(template, sf.plain_counters)
     flat_target = ocp.tree.to_flat_dict(target)
     shown = dict(zip(flat_target, _tree.leaf_paths(target)))
     flat_meta = ocp.tree.to_flat_dict(meta.tree)
@@ -351,8 +241,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     flat_args = {}
     for key, leaf in flat_target.items():
       m = flat_meta[key]
-      role, expect = _role(key, leaf, want)
-      _check_leaf(leaf, m, role, expect, shown[key], where)
+      role, expect = sf.role(key, leaf, want)
+      sf.check_leaf(leaf, m, role, expect, shown[key], where)
       flat_args[key] = self._restore_arg(role, leaf, m, shown[key], where)
     restore_args = ocp.tree.from_flat_dict(flat_args, target=target)
     try:
@@ -407,18 +297,18 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       ) from e
 
   def _check_options(self, custom: Any, where: str) -> dict[str, Any]:
-    options = custom.get(OPTIONS_KEY) if isinstance(custom, dict) else None
+    options = custom.get(sf.OPTIONS_KEY) if isinstance(custom, dict) else None
     if not isinstance(options, dict):
       raise WeightedAccumulationError(
-        f"{where}: the item holds no '{OPTIONS_KEY}' options, so it was "
+        f"{where}: the item holds no '{sf.OPTIONS_KEY}' options, so it was "
         "not written by AccumSave. Restore it with the args it was saved "
         "with (e.g. ocp.args.StandardRestore)."
       )
     version = options.get("format_version")
-    if version not in SUPPORTED_FORMAT_VERSIONS:
+    if version not in sf.SUPPORTED_FORMAT_VERSIONS:
       raise WeightedAccumulationError(
         f"{where}: option 'format_version' is {version!r}; this version of "
-        f"weighted_accum reads {list(SUPPORTED_FORMAT_VERSIONS)}. Upgrade "
+        f"weighted_accum reads {list(sf.SUPPORTED_FORMAT_VERSIONS)}. Upgrade "
         "weighted_accum to restore it."
       )
     states = options.get("states")
@@ -439,7 +329,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     where: str,
   ) -> None:
     for path, (shown, s) in want.items():
-      key = _key(path)
+      key = sf.key(path)
       if key not in saved:
         raise WeightedAccumulationError(
           f"{where}: the template has an AccumState at {shown}, but the "
@@ -459,11 +349,12 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
           "this library refuses. Restore with abstract_state(params, "
           f"dtype=jnp.{saved_dtype}) and convert explicitly if you must."
         )
-    extra = sorted(set(saved) - {_key(p) for p in want})
+      sf.check_placement(saved[key].get("placement"), s, shown, where)
+    extra = sorted(set(saved) - {sf.key(p) for p in want})
     if extra:
       raise WeightedAccumulationError(
         f"{where}: the checkpoint has an AccumState at "
-        f"{_show(_unkey(extra[0]))}, but the "
+        f"{sf.show(sf.unkey(extra[0]))}, but the "
         "template has none there. Restore with a template of the "
         "structure that was saved."
       )
@@ -480,7 +371,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       )
     if extra:
       raise WeightedAccumulationError(
-        f"{where}: the checkpoint has leaf {_show(extra[0])}, which the "
+        f"{where}: the checkpoint has leaf {sf.show(extra[0])}, which the "
         f"template lacks ({len(extra)} extra in all). Restore with a "
         "template built from the params that were saved."
       )
@@ -493,7 +384,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     if (
       role == "counter"
       or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
-      or _uncommitted(leaf)
+      or sf.uncommitted(leaf)
     ):
       # Placed afterwards (see _rebuild and _like).
       return ocp.RestoreArgs(restore_type=np.ndarray)
@@ -519,108 +410,72 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def _rebuild(self, template: Any, restored: Any, where: str) -> Any:
     flat_t, treedef = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=_is_accum
+      template, is_leaf=sf.is_accum
     )
     flat_r = treedef.flatten_up_to(restored)
     out = []
     for (path, t), r in zip(flat_t, flat_r):
-      if not _is_accum(t):
-        out.append(_like(t, r))
+      if not sf.is_accum(t):
+        out.append(sf.like(t, r))
         continue
       here = f"{where}: AccumState at {_tree.path_str(path)}"
-      counters = validation.saved_counters(
-        r[_COUNTERS],
-        base.COUNTERS,
-        lambda name, dt=t.dtype: base.dtype_of(name, dt),
-        what=f"{here}, counters",
-      )
-      try:
-        s = accumulation.from_buffers(r[_GRADS], r[_GRADS], counters)
-      except WeightedAccumulationError as e:
-        raise WeightedAccumulationError(f"{here}: {e}") from e
-      # The saved work dtype (checked against t's): from_buffers can only
-      # infer it from the buffers, and a state without any gets float32.
-      s = s.replace(dtype=jnp.dtype(t.dtype))
-      placed = {}
-      for name in base.NAMES:
-        like = _unwrap(getattr(t, name))
-        # An uncommitted template scalar (as from wa.init) stays uncommitted,
-        # so that it may meet buffers on any mesh under jit.
-        sharding = (
-          None if _uncommitted(like) else getattr(like, "sharding", None)
-        )
-        value = getattr(s, name)
-        placed[name] = _rewrap(
-          getattr(t, name),
-          (value if sharding is None else jax.device_put(value, sharding)),
-        )
-      out.append(s.replace(**placed))
+      if t.placement.kind == base.STACKED:
+        out.append(_stacked_window(t, r, here))
+      else:
+        out.append(_window(t, r, here))
     return treedef.unflatten(out)
 
 
-def _check_leaf(
-  leaf: Any, m: Any, role: str, expect: np.dtype | None, shown: str, where: str
-) -> None:
-  """Refuses a template leaf whose dtype or shape differs from the saved one
-  (Orbax would cast or reshape silently)."""
-  if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
-    raise WeightedAccumulationError(
-      f"{where}: template leaf {shown} has dtype "
-      f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
-      f"{expect}. Build the template with abstract_state(params, "
-      "dtype)."
+def _window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
+  """A restored global (or per-replica, scalar-counter) window, validated
+  by ``from_buffers`` and placed like the template ``t``."""
+  counters = validation.saved_counters(
+    r[sf.COUNTERS],
+    base.COUNTERS,
+    lambda name, dt=t.dtype: base.dtype_of(name, dt),
+    what=f"{here}, counters",
+  )
+  try:
+    s = accumulation.from_buffers(r[sf.GRADS], r[sf.GRADS], counters)
+  except WeightedAccumulationError as e:
+    raise WeightedAccumulationError(f"{here}: {e}") from e
+  # The saved work dtype (checked against t's): from_buffers can only infer
+  # it from the buffers, and a state without any gets float32.
+  s = s.replace(dtype=jnp.dtype(t.dtype), placement=t.placement)
+  placed = {}
+  for name in base.NAMES:
+    like = sf.unwrap(getattr(t, name))
+    # An uncommitted template scalar (as from wa.init) stays uncommitted, so
+    # that it may meet buffers on any mesh under jit.
+    sharding = None if sf.uncommitted(like) else getattr(like, "sharding", None)
+    value = getattr(s, name)
+    placed[name] = sf.rewrap(
+      getattr(t, name),
+      (value if sharding is None else jax.device_put(value, sharding)),
     )
-  if np.shape(leaf) != tuple(m.shape):
-    raise WeightedAccumulationError(
-      f"{where}: leaf {shown} has shape {tuple(m.shape)} in the "
-      f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
-      "a template built from the params that were saved."
+  return s.replace(**placed)
+
+
+def _stacked_window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
+  """A restored stacked window: its counters validated replica by replica,
+  each zero-weight replica's buffers checked to be zero, the counters
+  placed like the template's (its buffers already are)."""
+  grads = jax.tree.map(
+    lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, r[sf.GRADS]
+  )
+  counters = sf.stacked_counters(r[sf.COUNTERS], t.dtype, here)
+  weight = counters["weight_hi"].astype(np.float64) + counters["weight_lo"]
+  sf.check_stacked_buffers(grads, weight, here)
+  placed = {
+    name: sf.rewrap(
+      getattr(t, name),
+      sf.place_counter(sf.unwrap(getattr(t, name)), value, grads),
     )
-  if expect is not None and np.dtype(m.dtype) != expect:
-    raise WeightedAccumulationError(
-      f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, "
-      f"but the template expects {expect}. Orbax would cast it "
-      "silently; this library refuses. Restore with a template of the "
-      "saved dtype (e.g. abstract_state(params, dtype=...)) and "
-      "convert explicitly."
-    )
-
-
-def _role(
-  key: tuple[str, ...],
-  leaf: Any,
-  states: dict[tuple[str, ...], tuple[str, AccumState]],
-) -> tuple[str, np.dtype | None]:
-  """What a saved leaf is ('buffer', 'counter', 'other') and its dtype."""
-  for path, (_, s) in states.items():
-    n = len(path)
-    if key[:n] == path and len(key) > n:
-      if key[n] == _GRADS:
-        return "buffer", np.dtype(s.dtype)
-      return "counter", base.dtype_of(key[n + 1], s.dtype)
-  if isinstance(leaf, (bool, int, float, complex)):
-    # Python scalars: Orbax stores int as int64, float as float64.
-    return "other", np.dtype(type(leaf))
-  return "other", np.dtype(jnp.result_type(leaf))
-
-
-def _uncommitted(x: Any) -> bool:
-  """An array on the default device, free to join any computation (as the
-  scalars of a fresh ``wa.init`` or ``tx.init``): restored the same way."""
-  return isinstance(x, jax.Array) and not x.committed
-
-
-def _like(template_leaf: Any, value: Any) -> Any:
-  """Gives a restored leaf the template leaf's type (and placement)."""
-  if _uncommitted(template_leaf):
-    return jnp.asarray(value)
-  if isinstance(template_leaf, (bool, int, float, complex)) and not isinstance(
-    value, type(template_leaf)
-  ):
-    return type(template_leaf)(np.asarray(value).item())
-  if isinstance(template_leaf, np.generic):
-    return np.asarray(value, template_leaf.dtype)[()]
-  return value
+    for name, value in counters.items()
+  }
+  return AccumState(
+    grads=grads, dtype=jnp.dtype(t.dtype), placement=t.placement, **placed
+  )
 
 
 ocp.args.register_with_handler(AccumCheckpointHandler, for_save=True)(AccumSave)

@@ -46,6 +46,12 @@ def _saved_value(kind: str, what: str, name: str, v: Any, dt: np.dtype) -> Any:
     return count(v, what=what, name=name)
   if kind == "weight":
     return _saved_weight_part(what, name, v, dt)
+  v = host_number(v, what=f"{what}: counter {name!r}", noun="a loss scale")
+  if math.isnan(v):
+    # The library's mark of an unusable window (docs/inputs.md): restored
+    # as it was saved; the window is usable again after a valid
+    # next_loss_scale at its close.
+    return dt.type(math.nan)
   return loss_scale(v, what=f"{what}: counter {name!r}", dtype=dt)
 
 

@@ -1,0 +1,424 @@
+"""The saved form of a tree of windows: what ``AccumSave`` writes and how
+``AccumRestore`` reads it back, apart from Orbax's handler protocol.
+
+Each ``AccumState`` is saved as ``{'grads': ..., 'counters': {...}}``; the
+item's custom metadata holds, per state, its work dtype and its placement
+(global, per replica inside ``shard_map``, or stacked per replica with its
+replica count). This module builds that form, the templates
+(:func:`abstract_state`), and the checks of a restored window against its
+template: placement, leaf shapes and dtypes, counters (per replica for a
+stacked window) and the buffers of zero-weight windows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+import numpy as np
+import orbax.checkpoint as ocp
+
+from weighted_accum._src import validation
+from weighted_accum._src.core import accumulation
+from weighted_accum._src.core import base
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core import tree_utils as _tree
+from weighted_accum._src.core.base import AccumState
+from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.parallel import spmd_layout
+
+#: Key of this library's options in the item's Orbax custom metadata.
+OPTIONS_KEY = "weighted_accum"
+#: The format version written. Version 2 adds each state's placement (a
+#: version-1 item holds global windows only); the counters are those of
+#: ``AccumState``'s counter fields (``base.COUNTERS``).
+FORMAT_VERSION = 2
+#: Format versions this module can read.
+SUPPORTED_FORMAT_VERSIONS = (1, FORMAT_VERSION)
+
+GRADS = "grads"
+COUNTERS = "counters"
+#: The per-replica counters of a stacked window (shape ``(N,)``).
+PER_REPLICA = base.named(base.SUMMED) + base.named(base.LOCAL)
+
+
+def abstract_state(
+  params: Any,
+  dtype: DTypeLike = jnp.float32,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+) -> AccumState:
+  """An abstract ``AccumState`` for ``params``, each array on its sharding.
+
+  ``jax.eval_shape(wa.init, params)`` gives the same shapes but drops the
+  shardings; this keeps them, so :class:`AccumRestore` places every buffer
+  where ``wa.init(params, dtype, axis_name=axis_name)`` would.
+
+  Args:
+    params: concrete arrays or ``jax.ShapeDtypeStruct``s (with or without a
+      ``sharding``), e.g. the params of the new run, on any mesh.
+    dtype: the work dtype the checkpoint was saved in.
+    axis_name: ``None`` for a global window; the data axes of a stacked
+      per-replica window (as given to ``wa.init`` outside ``shard_map``):
+      its per-replica fields get a leading replica axis, sharded over the
+      axes on the params' mesh.
+
+  Returns:
+    An ``AccumState`` of ``jax.ShapeDtypeStruct`` leaves.
+
+  Raises:
+    WeightedAccumulationError: as :func:`weighted_accum.init`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from weighted_accum.checkpoint import abstract_state
+    >>> t = abstract_state({'w': jnp.zeros((2, 3))}, jnp.bfloat16)
+    >>> t.grads['w'].shape, t.grads['w'].dtype, t.dtype
+    ((2, 3), dtype(bfloat16), dtype(bfloat16))
+  """
+  shapes = jax.eval_shape(
+    functools.partial(accumulation.init, dtype=dtype), params
+  )
+  if axis_name is not None:
+    axes = validation.axis_names(axis_name, what=_WHAT)
+    return _stacked_abstract(shapes, params, axes)
+
+  def with_sharding(sds, p):
+    sharding = getattr(p, "sharding", None)
+    return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
+
+  return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads, params))
+
+
+_WHAT = "abstract_state(axis_name=...)"
+
+
+def _stacked_abstract(
+  shapes: AccumState, params: Any, axes: tuple[str, ...]
+) -> AccumState:
+  """The stacked window ``wa.init(params, axis_name=axes)`` makes outside
+  ``shard_map``, abstract: a leading replica axis (sharded over the axes)
+  on the buffers and per-replica counters, the rest of each buffer like
+  its param without the axes, the shared scalars replicated."""
+  meshes = [
+    s.mesh
+    for s in (getattr(p, "sharding", None) for p in jax.tree.leaves(params))
+    if isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
+  ]
+  if not meshes:
+    raise WeightedAccumulationError(
+      f"{_WHAT}: no param is on a mesh with the axes {axes}, so the replica "
+      "count is unknown. Pass the new run's params (or ShapeDtypeStructs "
+      "with their NamedShardings)."
+    )
+  mesh, head = meshes[0], spmd_layout.entry(axes)
+  n = spmd_layout.size(mesh, axes)
+
+  def stacked(sds, p):
+    s = getattr(p, "sharding", None)
+    spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
+    spec = spec + (None,) * (len(sds.shape) - len(spec))
+    rest = tuple(spmd_layout.without(spec, axes))
+    sharding = NamedSharding(mesh, P(head, *rest))
+    return jax.ShapeDtypeStruct((n,) + sds.shape, sds.dtype, sharding=sharding)
+
+  def counter(name):
+    sds = getattr(shapes, name)
+    if name not in PER_REPLICA:
+      return jax.ShapeDtypeStruct(
+        sds.shape, sds.dtype, sharding=NamedSharding(mesh, P())
+      )
+    sharding = NamedSharding(mesh, P(head))
+    return jax.ShapeDtypeStruct((n,), sds.dtype, sharding=sharding)
+
+  return shapes.replace(
+    grads=jax.tree.map(stacked, shapes.grads, params),
+    placement=base.Placement(base.STACKED, axes),
+    **{name: counter(name) for name in base.NAMES},
+  )
+
+
+# ------------------------------------------------------------- the tree --
+
+
+def is_accum(x: Any) -> bool:
+  return isinstance(x, AccumState)
+
+
+def key(path: tuple[str, ...]) -> str:
+  """The key of a node in the saved options (``''`` for the root).
+
+  Path entries are joined with ``/`` after JSON-pointer escaping (``~`` as
+  ``~0``, ``/`` as ``~1``), so the dict keys ``'a/b'`` and ``'a', 'b'`` get
+  distinct keys; keys without either character are written as before.
+  """
+  return "/".join(str(k).replace("~", "~0").replace("/", "~1") for k in path)
+
+
+def unkey(k: str) -> tuple[str, ...]:
+  """The path of a :func:`key`."""
+  if not k:
+    return ()
+  return tuple(p.replace("~1", "/").replace("~0", "~") for p in k.split("/"))
+
+
+def show(path: tuple[str, ...]) -> str:
+  return "".join(f"[{k!r}]" for k in path) or "<root>"
+
+
+def unwrap(x: Any) -> Any:
+  """The value of an ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``)."""
+  get = getattr(x, "get_value", None)
+  return get() if callable(get) else x
+
+
+def rewrap(like: Any, value: Any) -> Any:
+  """``value`` in ``like``'s ``nnx.Variable`` wrapper, if it has one."""
+  if callable(getattr(like, "get_value", None)) and hasattr(like, "replace"):
+    return like.replace(value)
+  return value
+
+
+def plain_counters(s: AccumState) -> dict[str, Any]:
+  """The counters as arrays, unwrapped from ``nnx.Variable``s (they are
+  saved unwrapped, so an ``nnx.Optimizer``'s state restores into another's)."""
+  return {k: unwrap(v) for k, v in s.counters.items()}
+
+
+def accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
+  """``{Orbax path: (readable path, state)}`` for each AccumState in tree."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_accum)
+  keys = ocp.tree.to_flat_dict(tree, is_leaf=is_accum)
+  return {
+    k: (_tree.path_str(p), node)
+    for (p, node), k in zip(flat, keys)
+    if is_accum(node)
+  }
+
+
+def split(tree: Any, counters: Any) -> Any:
+  """Replaces each AccumState by ``{'grads': ..., 'counters': {...}}``."""
+
+  def one(x):
+    if is_accum(x):
+      return {GRADS: x.grads, COUNTERS: counters(x)}
+    return x
+
+  return jax.tree.map(one, tree, is_leaf=is_accum)
+
+
+def host_counters(s: AccumState) -> dict[str, Any]:
+  """The counters in their stored dtype, for saving: NumPy scalars, and a
+  stacked window's per-replica counters as the ``(N,)`` arrays they are."""
+  s = jax.tree.map(unwrap, s)
+  out = {}
+  for name in base.NAMES:
+    value, dt = getattr(s, name), base.dtype_of(name, s.dtype)
+    if np.ndim(value) and isinstance(value, jax.Array):
+      out[name] = value if value.dtype == dt else value.astype(dt)
+    else:
+      out[name] = np.array(value, dt)
+  return out
+
+
+# -------------------------------------------------------- the placement --
+
+
+def placement_options(s: AccumState) -> dict[str, Any]:
+  """What the metadata says of ``s``'s placement (JSON)."""
+  pl = s.placement
+  out = {"kind": pl.kind, "axes": list(pl.axes), "reduce": pl.reduce}
+  if pl.kind == base.STACKED:
+    out["replicas"] = int(np.shape(unwrap(s.weight_hi))[0])
+  return out
+
+
+def _describe(options: dict[str, Any]) -> str:
+  kind = options.get("kind")
+  if kind == base.STACKED:
+    return (
+      f"a stacked per-replica window of {options.get('replicas')} replicas "
+      f"over the axes {tuple(options.get('axes', ()))}"
+    )
+  if kind == base.REPLICA:
+    return (
+      f"a per-replica window (inside shard_map, reduce="
+      f"{options.get('reduce')!r}) over the axes "
+      f"{tuple(options.get('axes', ()))}"
+    )
+  return "a global window"
+
+
+def check_placement(saved: Any, t: AccumState, shown: str, where: str) -> None:
+  """Refuses a template of another window kind, replica count or reduce
+  mode than the saved window's: restoring across them would need sums the
+  close does in its own order (not bit-exact), so nothing is converted."""
+  if saved is None:  # format version 1: global windows only
+    saved = {"kind": base.GLOBAL, "axes": [], "reduce": "window"}
+  if not isinstance(saved, dict) or saved.get("kind") not in base.KINDS:
+    raise WeightedAccumulationError(
+      f"{where}: option 'placement' of the AccumState at {shown} is "
+      f"malformed ({saved!r}); the metadata is corrupt."
+    )
+  want = placement_options(jax.tree.map(unwrap, t))
+  same = saved["kind"] == want["kind"] and (
+    saved.get("replicas") == want.get("replicas")
+    if want["kind"] == base.STACKED
+    else want["kind"] == base.GLOBAL or saved.get("reduce") == want["reduce"]
+  )
+  if same:
+    return
+  hint = (
+    "Restore into a template of the saved kind: for a stacked window, "
+    "wa.checkpoint.abstract_state(params, dtype, axis_name=...) on a mesh "
+    f"of {saved.get('replicas')} replicas over those axes"
+    if saved["kind"] == base.STACKED
+    else "Restore into a template made like the saved window"
+  )
+  raise WeightedAccumulationError(
+    f"{where}: the checkpoint holds {_describe(saved)} at {shown}, but the "
+    f"template is {_describe(want)}. A window is not converted between "
+    "kinds or replica counts (the replicas' sums would be rounded in "
+    f"another order than the close's). {hint}; or, in the saving run, "
+    "close the window (finish) before saving and start the new run with "
+    "a fresh window of the kind it needs."
+  )
+
+
+# ------------------------------------------------------------- leaves --
+
+
+def check_leaf(
+  leaf: Any, m: Any, role: str, expect: np.dtype | None, shown: str, where: str
+) -> None:
+  """Refuses a template leaf whose dtype or shape differs from the saved one
+  (Orbax would cast or reshape silently)."""
+  if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
+    raise WeightedAccumulationError(
+      f"{where}: template leaf {shown} has dtype "
+      f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
+      f"{expect}. Build the template with abstract_state(params, "
+      "dtype)."
+    )
+  if np.shape(leaf) != tuple(m.shape):
+    raise WeightedAccumulationError(
+      f"{where}: leaf {shown} has shape {tuple(m.shape)} in the "
+      f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
+      "a template built from the params that were saved."
+    )
+  if expect is not None and np.dtype(m.dtype) != expect:
+    raise WeightedAccumulationError(
+      f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, "
+      f"but the template expects {expect}. Orbax would cast it "
+      "silently; this library refuses. Restore with a template of the "
+      "saved dtype (e.g. abstract_state(params, dtype=...)) and "
+      "convert explicitly."
+    )
+
+
+def role(
+  k: tuple[str, ...],
+  leaf: Any,
+  states: dict[tuple[str, ...], tuple[str, AccumState]],
+) -> tuple[str, np.dtype | None]:
+  """What a saved leaf is ('buffer', 'counter', 'other') and its dtype."""
+  for path, (_, s) in states.items():
+    n = len(path)
+    if k[:n] == path and len(k) > n:
+      if k[n] == GRADS:
+        return "buffer", np.dtype(s.dtype)
+      return "counter", base.dtype_of(k[n + 1], s.dtype)
+  if isinstance(leaf, (bool, int, float, complex)):
+    # Python scalars: Orbax stores int as int64, float as float64.
+    return "other", np.dtype(type(leaf))
+  return "other", np.dtype(jnp.result_type(leaf))
+
+
+def uncommitted(x: Any) -> bool:
+  """An array on the default device, free to join any computation (as the
+  scalars of a fresh ``wa.init`` or ``tx.init``): restored the same way."""
+  return isinstance(x, jax.Array) and not x.committed
+
+
+def like(template_leaf: Any, value: Any) -> Any:
+  """Gives a restored leaf the template leaf's type (and placement)."""
+  if uncommitted(template_leaf):
+    return jnp.asarray(value)
+  if isinstance(template_leaf, (bool, int, float, complex)) and not isinstance(
+    value, type(template_leaf)
+  ):
+    return type(template_leaf)(np.asarray(value).item())
+  if isinstance(template_leaf, np.generic):
+    return np.asarray(value, template_leaf.dtype)[()]
+  return value
+
+
+# ------------------------------------------------- a restored stacked window --
+
+
+def stacked_counters(
+  saved: dict[str, Any], work_dtype: Any, here: str
+) -> dict[str, np.ndarray]:
+  """A stacked window's saved counters, validated as ``N`` windows (each
+  replica's counters with the shared ones): ``(N,)`` arrays for the
+  per-replica counters, scalars for the shared ones."""
+  n = int(np.shape(saved["weight_hi"])[0])
+  rows = []
+  for r in range(n):
+    one = {
+      k: (np.asarray(v)[r] if k in PER_REPLICA else v) for k, v in saved.items()
+    }
+    rows.append(
+      validation.saved_counters(
+        one,
+        base.COUNTERS,
+        lambda name: base.dtype_of(name, work_dtype),
+        what=f"{here}, counters of replica {r}",
+      )
+    )
+  return {
+    name: (
+      np.stack([row[name] for row in rows])
+      if name in PER_REPLICA
+      else rows[0][name]
+    )
+    for name in base.NAMES
+  }
+
+
+def check_stacked_buffers(grads: Any, weight: np.ndarray, here: str) -> None:
+  """Only positive-weight microbatches add to a replica's buffers: a
+  replica of weight 0 has zero buffers (see ``docs/design.md``, "State")."""
+  empty = np.asarray(weight) == 0
+  if not empty.any():
+    return
+  for path, b in _tree.flat(grads):
+    held = np.asarray(
+      jnp.any(numerics.nonzero(b).reshape(b.shape[0], -1), axis=1)
+    )
+    bad = np.flatnonzero(held & empty)
+    if bad.size:
+      raise WeightedAccumulationError(
+        f"{here}: leaf grads{path} is non-zero on replica {int(bad[0])}, "
+        "whose counters say its weight is 0 (only positive-weight "
+        "microbatches add to the buffers). The checkpoint is corrupt."
+      )
+
+
+def place_counter(like_leaf: Any, value: Any, grads: Any) -> Any:
+  """A restored counter of a stacked window on the template's sharding, or
+  (a template without one) on the buffers' mesh as ``wa.init`` puts it."""
+  sharding = getattr(like_leaf, "sharding", None)
+  if sharding is None:
+    first = next(iter(jax.tree.leaves(grads)), None)
+    s = getattr(first, "sharding", None)
+    if isinstance(s, NamedSharding):
+      spec = P(s.spec[0]) if np.ndim(value) else P()
+      sharding = NamedSharding(s.mesh, spec)
+  value = jnp.asarray(value)
+  return value if sharding is None else jax.device_put(value, sharding)
