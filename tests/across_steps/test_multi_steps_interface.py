@@ -264,7 +264,7 @@ def test_close_is_built_once_whether_or_not_buffers_carry_updates():
 
     def update_fn(updates, state, params=None, calls=calls):
       calls.append(1)
-      return jax.tree.map(lambda u: -u, updates), state
+      return jax.tree.map(lambda x: -x, updates), state
 
     inner = optax.GradientTransformation(
       lambda p: optax.EmptyState(), update_fn
