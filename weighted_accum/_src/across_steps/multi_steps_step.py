@@ -1,11 +1,14 @@
 """The optax wrapper's state and step: ``WeightedMultiStepsState``, its
 configuration, ``init`` and the per-microbatch ``update``.
 
-One microbatch: validate, accumulate (optionally skipped by
-``should_skip_update_fn``), then one ``lax.cond``: close the window on the one
-close path (``window.close``) or keep it open. How a step is laid out in
-memory, and why (the updates travel in the window's buffers; selects after
-one conditional), is in ``docs/design.md`` ("The optax wrapper").
+One microbatch, in one straight path: validate, accumulate (optionally
+skipped by ``should_skip_update_fn``), plan the inner updates' shapes
+(``jax.eval_shape``), then close the window on the one close path
+(``window.close``, one conditional: the inner update runs in its close branch
+only) or keep it open, and select the returned updates and the next buffers.
+How a step is laid out in memory, and why (the updates travel in the
+window's buffers; selects after the conditional), is in ``docs/design.md``
+("The optax wrapper's step layout").
 """
 
 from __future__ import annotations
