@@ -251,6 +251,40 @@ def test_float16_params_float32_grads_get_float32_window():
   assert np.all(np.isfinite(np.asarray(u["w"], np.float32)))
 
 
+def test_close_is_built_once_whether_or_not_buffers_carry_updates():
+  """The inner update runs in Python as often per trace of a step with
+  float32 buffers (the updates travel in them) as with bfloat16 ones (they
+  do not), at most twice: once abstractly (``jax.eval_shape``, planning the
+  updates' shapes) and once in the close branch; the close is never traced
+  again. The window is right in both: sgd(1) on the weighted mean, against
+  float64 NumPy."""
+  counts = []
+  for dtype in (jnp.float32, jnp.bfloat16):
+    calls = []
+
+    def update_fn(updates, state, params=None, calls=calls):
+      calls.append(1)
+      return jax.tree.map(lambda x: -x, updates), state
+
+    inner = optax.GradientTransformation(
+      lambda p: optax.EmptyState(), update_fn
+    )
+    tx = wa.WeightedMultiSteps(inner, 2, accumulator_dtype=dtype, mode="mean")
+    params = {"w": jnp.zeros(3)}
+    step = jax.jit(tx.update)  # one trace, reused by the second call
+    state = tx.init(params)
+    grads = [np.array([1.0, 2.0, 4.0]), np.array([3.0, 0.0, 8.0])]
+    for g, w in zip(grads, (3.0, 1.0)):
+      u, state = step(
+        {"w": jnp.asarray(g, jnp.float32)}, state, params, weight=w
+      )
+    counts.append(len(calls))
+    want = -(3 * grads[0] + grads[1]) / 4
+    np.testing.assert_allclose(np.asarray(u["w"], np.float64), want, rtol=1e-2)
+    assert bool(wa.has_updated(state)) and u["w"].dtype == jnp.float32
+  assert counts[0] == counts[1] <= 2, counts
+
+
 def test_nonfinite_updates_are_returned_by_default_as_multisteps_does():
   """By default only the window's gradients are checked: an inner update
   that overflows is returned as optax.MultiSteps returns it."""

@@ -149,14 +149,22 @@ def test_mid_window_step_runs_fewer_loops_than_multisteps(per_leaf):
   assert wrapper["mid_window"] <= 3
 
 
-def test_program_adds_at_most_the_layouts_loops_per_leaf(per_leaf):
-  """The whole program (= the closing path): MultiSteps' 4 loops per leaf
-  plus the two the conditional materialises beyond them; the finiteness
-  read is one loop per group of up to 32 small leaves of one shape
-  (measured: 6.0; 6.5 with one loop per matrix)."""
+def test_program_adds_two_loops_per_leaf_to_multisteps(per_leaf):
+  """The whole program (= the closing path) against MultiSteps' measured in
+  this test: its loops per leaf plus exactly the two the conditional
+  materialises (measured: 6.0 against 4.0); the finiteness read is one loop
+  per group of up to 32 small leaves of one shape.
+
+  Fewer is not possible without giving up what the step keeps: the inner
+  update's outputs leave the conditional (its updates, which the caller's
+  ``apply_updates`` reads, are written once), and with no parameter-sized
+  temporary (``test_memory.py``) they can only live in the window's
+  buffers, which therefore are zeroed after that read in a loop of their
+  own (XLA:CPU fuses no sibling loops). MultiSteps writes neither: it
+  computes the inner update on every step, at 3 P of temporaries."""
   wrapper, multisteps = per_leaf["wrapper"], per_leaf["multisteps"]
   assert wrapper["closing"] == wrapper["loops"]
-  assert wrapper["loops"] <= multisteps["loops"] + 2.1
+  assert wrapper["loops"] <= multisteps["loops"] + 2
 
 
 def test_scalar_checks_are_not_copied_into_every_leaf(per_leaf):

@@ -1,11 +1,14 @@
 """The optax wrapper's state and step: ``WeightedMultiStepsState``, its
 configuration, ``init`` and the per-microbatch ``update``.
 
-One microbatch: validate, accumulate (optionally skipped by
-``should_skip_update_fn``), then one ``lax.cond``: close the window on the one
-close path (``window.close``) or keep it open. How a step is laid out in
-memory, and why (the updates travel in the window's buffers; selects after
-one conditional), is in ``docs/design.md`` ("The optax wrapper").
+One microbatch, in one straight path: validate, accumulate (optionally
+skipped by ``should_skip_update_fn``), plan the inner updates' shapes
+(``jax.eval_shape``), then close the window on the one close path
+(``window.close``, one conditional: the inner update runs in its close branch
+only) or keep it open, and select the returned updates and the next buffers.
+How a step is laid out in memory, and why (the updates travel in the
+window's buffers; selects after the conditional), is in ``docs/design.md``
+("The optax wrapper's step layout").
 """
 
 from __future__ import annotations
@@ -265,42 +268,36 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
   return new, skip, skip_state
 
 
-# ------------------------------------------------------------ the inner --
+# -------------------------------------------------------------- the close --
 
 
-class _Inner(NamedTuple):
-  """The inner update as the window sees it (static for one trace).
+class _Plan(NamedTuple):
+  """How the window's gradient reaches the inner optimizer (static for one
+  trace).
 
   Attributes:
-    update: ``(g, inner_state, params) -> (updates, inner_state)``.
+    update: ``(g, inner_state, params) -> (updates, inner_state)``: the
+      updates in ``shapes``' dtypes, the inner state in its own.
     shapes: the updates' shapes and dtypes, as ``optax.MultiSteps`` returns
-      them for these grads and params; ``None`` until the close branch has
-      traced the update (then read from ``seen``).
-    carry: whether the updates travel in the window's buffers (assumed
-      while ``shapes`` is unknown, checked once it is).
-    seen: what the close branch's trace of ``update`` returned.
+      them for these grads and params.
+    carry: whether the updates travel in the window's buffers (same tree and
+      shapes, a dtype the work dtype holds losslessly).
   """
 
   update: Callable[..., Any]
   shapes: Any
   carry: bool
-  seen: list
 
 
 def _inner_update(cfg, dtypes, extra_args, g, inner_state, params):
-  """The inner update of the window gradient ``g`` cast leaf by leaf to
-  ``dtypes``."""
+  """The inner update of ``g`` cast leaf by leaf to ``dtypes``."""
   leaves, treedef = jax.tree.flatten(g)
   g = jax.tree.unflatten(treedef, [a.astype(d) for a, d in zip(leaves, dtypes)])
   return cfg.inner.update(g, inner_state, params, **extra_args)
 
 
-def _traced(*trees: Any) -> bool:
-  return any(tree_utils.is_traced(x) for x in jax.tree.leaves(trees))
-
-
-def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
-  """How the window reaches the inner optimizer, in which dtypes.
+def _plan(cfg: Config, state, grads, params, extra_args) -> _Plan:
+  """The inner update as the close branch runs it, and its updates' shapes.
 
   ``optax.MultiSteps`` hands the inner optimizer the grads' dtype, and its
   updates' dtypes are the contract. The window's gradient goes in at least
@@ -308,12 +305,9 @@ def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
   grads get float32, never a float16 mean that overflows); the updates come
   back in MultiSteps' dtypes and the inner state in its own.
 
-  The updates' shapes come from the close branch's own trace of the inner
-  update when the grads are as wide as the params (the usual case): a
-  separate ``jax.eval_shape`` would trace the whole inner optimizer a
-  second time, a quarter of the step's tracing. Only a widened gradient
-  (whose updates MultiSteps would return narrower) or an eager call (where
-  a conditional runs at once) is traced ahead.
+  The shapes are planned with ``jax.eval_shape`` (abstract evaluation,
+  nothing staged into the step), so the one conditional is built once, with
+  the inner update traced into its close branch only.
   """
   ms_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
   dtypes = ms_dtypes
@@ -325,51 +319,41 @@ def _plan_inner(cfg: Config, state, grads, params, extra_args) -> _Inner:
       jnp.promote_types(d, jnp.result_type(p))
       for d, p in zip(ms_dtypes, p_leaves)
     ]
+  shapes = jax.eval_shape(
+    functools.partial(_inner_update, cfg, ms_dtypes, extra_args),
+    state.acc_grads,
+    state.inner_opt_state,
+    params,
+  )[0]
   wide = functools.partial(_inner_update, cfg, dtypes, extra_args)
-  shapes = None
-  if dtypes != ms_dtypes or not _traced(grads, state.acc_grads):
-    ms_update = functools.partial(_inner_update, cfg, ms_dtypes, extra_args)
-    shapes = jax.eval_shape(
-      ms_update, state.acc_grads, state.inner_opt_state, params
-    )[0]
 
   def update(g, inner_state, params):
     upd, new_inner = wide(g, inner_state, params)
-    if shapes is not None:
-      upd = tree_utils.cast_like(upd, shapes)
-    return upd, tree_utils.cast_like(new_inner, inner_state)
+    return (
+      tree_utils.cast_like(upd, shapes),
+      tree_utils.cast_like(new_inner, inner_state),
+    )
 
-  carry = shapes is None or _can_carry(shapes, state.acc_grads)
-  return _Inner(update, shapes, carry, [])
-
-
-def _can_carry(shapes: Any, buffers: Any) -> bool:
-  """Whether the updates fit in the window's buffers exactly: same tree and
-  shapes, and a dtype the work dtype holds losslessly."""
-  buf_leaves, buf_def = jax.tree.flatten(buffers)
+  buf_leaves, buf_def = jax.tree.flatten(state.acc_grads)
   upd_leaves, upd_def = jax.tree.flatten(shapes)
-  return upd_def == buf_def and all(
+  carry = upd_def == buf_def and all(
     u.shape == b.shape
     and jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
     for u, b in zip(upd_leaves, buf_leaves)
   )
-
-
-def _zero_updates(shapes: Any) -> Any:
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-
-# ------------------------------------------------------------- the close --
+  return _Plan(update, shapes, carry)
 
 
 class _Closed(NamedTuple):
   """What :func:`_close` returns.
 
   Attributes:
-    carrier: the applied window's updates written over its buffers (when
-      the updates carry), else the updates themselves; mid-window and for a
-      skipped window: the buffers (carry) or zero updates.
-    inner_state: the inner optimizer's state, advanced only if ``applied``.
+    carrier: where ``applied``, the window's updates (written over its
+      buffers when the plan carries them); elsewhere the buffers (carry) or
+      zero updates.
+    inner_state: the inner optimizer's state, advanced only if ``applied``
+      (or, with ``skip_nonfinite_updates``, for a window whose updates came
+      out non-finite: it has taken that step).
     counters: the next window's counters (an ``AccumState`` without grads).
     applied: the inner update was applied.
     nonfinite: the window was discarded (see the state's ``nonfinite``).
@@ -388,97 +372,76 @@ class _Closed(NamedTuple):
   scaler: DynamicLossScale | None
 
 
-def _apply(cfg: Config, inner: _Inner, buffers: Any, g: Any, operands: Any):
-  """The window's gradient ``g`` (divided by ``window.close`` inside this
-  branch, so XLA fuses the division into the inner update's loops) through
-  the inner optimizer: its updates (over the buffers when they carry them),
-  the inner state and whether the updates are applied."""
-  inner_state, params = operands
-  upd, new_inner = inner.update(g, inner_state, params)
-  inner.seen.append(
-    jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape, u.dtype), upd)
-  )
-  if inner.carry:
-    if inner.shapes is None and not _can_carry(upd, buffers):
-      # A placeholder: the caller traces the close again without carrying.
-      return buffers, new_inner, jnp.bool_(True)
-    upd = jax.tree.map(lambda u, b: u.astype(b.dtype), upd, buffers)
-  if not cfg.skip_nonfinite_updates:
-    return upd, new_inner, jnp.bool_(True)
-  # The updates' finiteness, decided on every shard alike. The inner state
-  # has taken that step (keeping its previous value would copy it).
-  (mark,) = window.global_marks((numerics.tree_mark(upd),))
-  return upd, new_inner, ~jnp.isnan(mark)
+def _adjusted(scaler: DynamicLossScale, out) -> DynamicLossScale:
+  """GradScaler's rule after the closed window ``out``; an empty window
+  stays open and is not a step, so it leaves the scaler as it was."""
+  new = scaler.adjust(out.finite)
+  return jax.tree.map(lambda a, b: jnp.where(out.weight > 0, a, b), new, scaler)
 
 
-def _skip(inner: _Inner, sums: Any, operands: Any):
-  inner_state, _ = operands
-  carrier = sums if inner.carry else _zero_updates(inner.shapes)
-  return carrier, inner_state, jnp.bool_(False)
+def _close(cfg, plan, next_ls, closing, accum, state, params) -> _Closed:
+  """Closes the window where ``closing``, on the one close path
+  (``window.close(when=closing)``: the pending sums' finiteness read in
+  place, then one conditional). Its close branch divides the window's sums,
+  runs the inner update and writes the updates over the buffers (carry), so
+  XLA fuses the division into the inner update's loops; its other branch
+  (mid-window, or an invalid window) passes the buffers and the inner state
+  through untouched: no write, no copy. The counters' selects are scalars.
+  """
+  buffers, scaler = accum.grads, state.loss_scaler
 
+  def apply(g, operands):
+    upd, new_inner = plan.update(g, *operands)
+    if plan.carry:
+      upd = tree_utils.cast_like(upd, buffers)
+    if not cfg.skip_nonfinite_updates:
+      return upd, new_inner, jnp.bool_(True)
+    # The updates' finiteness, decided on every shard alike.
+    (mark,) = window.global_marks((numerics.tree_mark(upd),))
+    return upd, new_inner, ~jnp.isnan(mark)
 
-def _scale_rule(scaler: DynamicLossScale | None, next_ls: Any, adjusted: list):
-  """The next window's loss scale as a function of the closing window's
-  result: GradScaler's rule once per consumed window (an empty one stays
-  open and is not a step), else ``next_ls``."""
+  def skip(sums, operands):
+    if plan.carry:
+      return sums, operands[0], jnp.bool_(False)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), plan.shapes)
+    return zeros, operands[0], jnp.bool_(False)
 
-  def rule(out):
-    if scaler is None:
-      return next_ls
-    new = scaler.adjust(out.finite)
-    new = jax.tree.map(
-      lambda a, b: jnp.where(out.weight > 0, a, b), new, scaler
-    )
-    adjusted.append(new)
-    return new.scale
-
-  return rule
-
-
-def _close(cfg, inner, next_ls, closing, accum, inner_state, params, scaler):
-  """Closes the window where ``closing`` on the one close path, in one
-  conditional (``window.close(when=closing)``): the inner update runs only
-  for a closing valid window; mid-window and for an invalid window the
-  buffers and the inner state pass through untouched (no write, no copy).
-  The counters' selects are scalars."""
-  adjusted: list = []
-  (upd, new_inner, applied), zero, new, out = window.close(
+  if scaler is not None:  # the next window's scale, from this window's result
+    next_ls = lambda out: _adjusted(scaler, out).scale
+  (carrier, new_inner, applied), zero, new, out = window.close(
     accum,
-    (inner_state, params),
-    functools.partial(_apply, cfg, inner, accum.grads),
-    functools.partial(_skip, inner),
-    next_loss_scale=_scale_rule(scaler, next_ls, adjusted),
+    (state.inner_opt_state, params),
+    apply,
+    skip,
+    next_loss_scale=next_ls,
     mean=cfg.use_grad_mean,
     when=closing,
   )
   pick = lambda a, b: jnp.where(closing, a, b)
+  if scaler is not None:
+    scaler = jax.tree.map(pick, _adjusted(scaler, out), scaler)
   nonempty = closing & (out.weight > 0)
-  # ``zero`` (0, from the conditional) makes the reset of the buffers depend
-  # on the conditional, so XLA runs it after the conditional's read of them
-  # (else it copies them first: without carrying, the reset is a
-  # conditional of its own).
-  consumed = nonempty & ~(zero > 0)
   new_counters, old = base.of(new), base.of(accum)
-  if adjusted:
-    scaler = jax.tree.map(pick, adjusted[0], scaler)
   return _Closed(
-    carrier=upd,
+    carrier=carrier,
     inner_state=new_inner,
     counters=accum.replace(
       grads=None, **{k: pick(v, old[k]) for k, v in new_counters.items()}
     ),
     applied=applied,
     nonfinite=nonempty & ~applied,
-    consumed=consumed,
+    # ``zero`` (0, from the conditional) makes the reset of the buffers
+    # depend on the conditional, so XLA runs it after the conditional's read
+    # of them (else it copies them first).
+    consumed=nonempty & ~(zero > 0),
     empty=closing & ~(out.weight > 0),
     scaler=scaler,
   )
 
 
-def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
+def _outputs(closed: _Closed, plan: _Plan, buffers: Any) -> tuple[Any, Any]:
   """The returned updates and the next window's buffers."""
-  if inner.carry:
-    # ``closed.carrier`` holds the applied window's updates, or the buffers.
+  if plan.carry:
     # Selects, not conditionals: XLA schedules them after the caller's read
     # of the updates and writes the buffers in place (a conditional here
     # would make it copy the buffers first).
@@ -487,7 +450,7 @@ def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
         s.dtype
       ),
       closed.carrier,
-      inner.shapes,
+      plan.shapes,
     )
     buffers = jax.tree.map(
       lambda c: jnp.where(closed.consumed, jnp.zeros((), c.dtype), c),
@@ -508,30 +471,6 @@ def _outputs(closed: _Closed, inner: _Inner, buffers: Any) -> tuple[Any, Any]:
     closed.carrier,
   )
   return updates, buffers
-
-
-def _closed(cfg, inner, next_ls, closing, accum, state, params):
-  """:func:`_close` and the plan it ran with (its ``shapes`` known). Traced
-  once more, without carrying, when the updates the close branch traced do
-  not fit the buffers."""
-  run = lambda inner: _close(
-    cfg,
-    inner,
-    next_ls,
-    closing,
-    accum,
-    state.inner_opt_state,
-    params,
-    state.loss_scaler,
-  )
-  closed = run(inner)
-  if inner.shapes is None:
-    shapes = inner.seen[0]
-    if _can_carry(shapes, accum.grads):
-      return closed, inner._replace(shapes=shapes)
-    inner = inner._replace(shapes=shapes, carry=False, seen=[])
-    closed = run(inner)
-  return closed, inner
 
 
 # ---------------------------------------------------------------- update --
@@ -643,11 +582,11 @@ def update(
   accum, skip, skip_state = _accumulate(cfg, state, grads, weight, params)
   mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
   closing = _closes(cfg, finish, mini_step, state.gradient_step)
-  inner = _plan_inner(cfg, state, grads, params, extra_args)
+  plan = _plan(cfg, state, grads, params, extra_args)
   # Mid-window the inner update is not computed: the one conditional's
   # skipping branch passes the buffers and the inner state through.
-  closed, inner = _closed(cfg, inner, next_ls, closing, accum, state, params)
-  updates, buffers = _outputs(closed, inner, accum.grads)
+  closed = _close(cfg, plan, next_ls, closing, accum, state, params)
+  updates, buffers = _outputs(closed, plan, accum.grads)
   new = _next_state(
     state, closed, buffers, closing, mini_step, accum, skip_state
   )
