@@ -66,8 +66,7 @@ def _objective(cfg, call, group, norms, i, threaded, scale):
   another window's terms (a fully masked term's 0/0 stays out of it)."""
 
   def fn(values):
-    args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
-    ev = terms.evaluate(cfg, args, kwargs)
+    ev = _evaluate(cfg, call, i, values, threaded)
     # At least float32; float64 stays float64 (under x64).
     ct = numerics.compute_dtype(
       jnp.result_type(*(ev.terms[t] for t in group.terms))
@@ -81,6 +80,16 @@ def _objective(cfg, call, group, norms, i, threaded, scale):
     return s * scale.astype(ct), ev
 
   return fn
+
+
+def _evaluate(cfg, call, i, values, threaded) -> terms.Eval:
+  """``loss_fn`` on microbatch ``i``; the threaded states it leaves (those
+  it returns, then the NNX objects' non-Param state it mutated)."""
+  args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
+  ev = terms.evaluate(cfg, args, kwargs)
+  return ev._replace(
+    states=ev.states + margs.node_states(call, cfg.roles, args)
+  )
 
 
 # --------------------------------------------------------------- the loop --
@@ -98,12 +107,7 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
   states checked to come back as they went in."""
   values = margs.diff_values(call)
 
-  def first():
-    return terms.evaluate(
-      cfg, *margs.microbatch(call, cfg.roles, 0, values, threaded)
-    )
-
-  ev = jax.eval_shape(first)
+  ev = jax.eval_shape(lambda: _evaluate(cfg, call, 0, values, threaded))
   like = lambda t: [
     (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(t)
   ]
@@ -281,7 +285,8 @@ def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
   return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
 
 
-def _with_state(cfg: _Config, result: Any, threaded: tuple) -> Any:
+def _with_state(cfg: _Config, call, result: Any, threaded: tuple) -> Any:
+  threaded = margs.write_back(call, cfg.roles, threaded)
   if not cfg.roles.state_argnums:
     return result
   return result, threaded[0] if cfg.roles.single_state else threaded
@@ -323,7 +328,7 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
       finishing.refuse_empty(st, _WHAT)
   loss, out = terms.conclude(cfg, p.call, groups, norms, carry)
   result = ((loss, carry.aux), out) if cfg.has_aux else (loss, out)
-  return _with_state(cfg, result, carry.threaded)
+  return _with_state(cfg, p.call, result, carry.threaded)
 
 
 def _accumulate(cfg: _Config, state, args, kwargs, n_real):
@@ -342,7 +347,7 @@ def _accumulate(cfg: _Config, state, args, kwargs, n_real):
   if block:
     st = replicas.stack(st, cfg.axis_name)
   result = ((value, carry.aux) if cfg.has_aux else value), st
-  return _with_state(cfg, result, carry.threaded)
+  return _with_state(cfg, p.call, result, carry.threaded)
 
 
 def microbatched_value_and_grad(
