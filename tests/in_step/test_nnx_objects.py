@@ -156,3 +156,29 @@ def test_module_with_rng_state_refused_with_data_axes():
   f = wa.microbatched_value_and_grad(_loss, K, mode="sum", data_axes="data")
   with pytest.raises(wa.WeightedAccumulationError, match="RngCount"):
     f(model, _batch(0))
+
+
+def test_module_through_accumulate_spanning_two_calls():
+  """``f.accumulate`` threads the stream across calls too: the window of
+  two calls is the mean over both calls' microbatches, each with its own
+  mask."""
+  model = _Net(nnx.Rngs(0))
+  graphdef = nnx.graphdef(model)
+  params = jax.tree.map(lambda v: v, nnx.state(model, nnx.Param))
+  f = wa.microbatched_value_and_grad(_loss, K, mode="sum")
+  state = wa.init(params)
+  batches = [_batch(5), _batch(6)]
+  for b in batches:
+    _, state = f.accumulate(state, model, b)
+  assert _count(model) == 2 * K
+  out, _ = wa.finish_mean(state)
+  masks = _masks(2 * K)
+  refs = [
+    _reference(params, graphdef, b, masks[i * K : (i + 1) * K])
+    for i, b in enumerate(batches)
+  ]
+  ws = [float(jnp.sum(b[2])) for b in batches]
+  want = jax.tree.map(
+    lambda a, c: (ws[0] * a + ws[1] * c) / sum(ws), refs[0], refs[1]
+  )
+  assert rel_err(out.grads, want) < 1e-5

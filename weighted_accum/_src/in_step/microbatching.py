@@ -409,7 +409,10 @@ def microbatched_value_and_grad(
       floating array leaves are differentiated; the others (ints, bools,
       Python numbers, functions: an Equinox module's static half) are held
       fixed and get ``None`` gradients, as with
-      ``eqx.filter_value_and_grad``.
+      ``eqx.filter_value_and_grad``. A whole ``nnx.Module`` is taken as
+      ``nnx.value_and_grad`` takes it: its ``nnx.Param`` state is
+      differentiated (the grads are an ``nnx.State``), its other state (RNG
+      streams, batch statistics) is threaded and written back.
     batch_argnums: the positional argument(s) to split (pytrees whose leaves
       share a batch axis); default 1, or none when ``batch_argnames`` is
       given.
