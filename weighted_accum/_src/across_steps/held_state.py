@@ -23,27 +23,15 @@ import jax.numpy as jnp
 from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState,
 )
+from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
 
 # Fields a nnx.State drops: it keeps no empty subtree and no None.
 _ABSENT = {"skip_state": (), "loss_scaler": None}
 
 
-def is_variable(x: Any) -> bool:
-  """An ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``): a pytree node
-  in flax 0.12 whose value ``get_value`` returns."""
-  return callable(getattr(x, "get_value", None)) and callable(
-    getattr(x, "replace", None)
-  )
-
-
-def unwrap(tree: Any) -> Any:
-  """``tree`` with every ``nnx.Variable`` replaced by its value."""
-  return jax.tree.map(
-    lambda x: x.get_value() if is_variable(x) else x,
-    tree,
-    is_leaf=is_variable,
-  )
+is_variable = tree_utils.is_variable
+unwrap = tree_utils.unwrap_variables
 
 
 def _is_wrapper_mapping(x: Any) -> bool:

@@ -253,8 +253,11 @@ def _check_result(out, params, next_loss_scale, axis_name) -> None:
 def _result_grads(out: AccumulatedGradients, params: Any) -> Any:
   """``out.grads`` checked against ``params`` (paths and shapes), in the
   params' structure and at least their dtype and float32."""
-  leaves = tree_utils.match_tree(
-    params, out.grads, what="apply_window(state.grads)", ref_name="params"
+  leaves = tree_utils.match_tree(  # nnx.Param-held or pure, either side
+    tree_utils.unwrap_variables(params),
+    tree_utils.unwrap_variables(out.grads),
+    what="apply_window(state.grads)",
+    ref_name="params",
   )
   like = jax.tree.leaves(params)
   return jax.tree.unflatten(
