@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 import optax
 
+from weighted_accum._src.across_steps import held_state
 from weighted_accum._src.across_steps import multi_steps_step as step
 from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState,
@@ -31,26 +32,18 @@ __all__ = [
 ]
 
 
-def _is_variable(x: Any) -> bool:
-  """An ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``): a pytree node
-  in flax 0.12 whose value ``get_value`` returns."""
-  return callable(getattr(x, "get_value", None))
-
-
 def _unwrap(tree: Any) -> Any:
-  """``tree`` with every ``nnx.Variable`` replaced by its value."""
-  return jax.tree.map(
-    lambda x: x.get_value() if _is_variable(x) else x,
-    tree,
-    is_leaf=_is_variable,
-  )
+  """``tree`` with every ``nnx.Variable`` replaced by its value; the
+  wrapper's state held as an ``nnx.State`` rebuilt as one."""
+  return held_state.view(tree)
 
 
 def has_updated(state: WeightedMultiStepsState) -> jax.Array:
   """Whether the last ``update`` closed a window and applied the inner update.
 
-  Works on the state itself and on ``nnx.Optimizer(...).opt_state``, inside
-  and outside ``nnx.jit``.
+  Works on the state itself, on ``nnx.Optimizer(...).opt_state`` (inside
+  and outside ``nnx.jit``) and on its ``nnx.State`` (``nnx.state(optimizer)
+  ["opt_state"]``, e.g. restored from a checkpoint).
 
   Args:
     state: a :class:`WeightedMultiStepsState`.
@@ -72,14 +65,15 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> bool(wa.has_updated(state))
     True
   """
-  return jnp.asarray(_unwrap(state.updated))
+  return jnp.asarray(_unwrap(state).updated)
 
 
 def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
   """The current window's counters; reading them changes nothing.
 
-  Works on the state itself and on ``nnx.Optimizer(...).opt_state``, inside
-  and outside ``nnx.jit`` (``nnx.Variable`` values are unwrapped).
+  Works on the state itself, on ``nnx.Optimizer(...).opt_state`` (inside
+  and outside ``nnx.jit``; ``nnx.Variable`` values are unwrapped) and on its
+  ``nnx.State`` (``nnx.state(optimizer)["opt_state"]``).
 
   Args:
     state: a :class:`WeightedMultiStepsState`.
@@ -103,9 +97,10 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
     >>> int(c['mini_step']), int(c['issued']), c['total_weight']
     (1, 1, 7.0)
   """
-  win = _unwrap(state.window)
+  state = _unwrap(state)
+  win = state.window
   return dict(
-    mini_step=_unwrap(state.mini_step),
+    mini_step=state.mini_step,
     issued=win.issued,
     zero_weight=win.zero_weight,
     rejected=win.rejected,

@@ -235,6 +235,66 @@ def _apply_window_kernel(
   return params, opt_state, window.refill(state, zero), out
 
 
+def _check_result(out, params, next_loss_scale) -> None:
+  """An in-step result as ``apply_window``'s window: its mean gradients
+  shaped like ``params``, no window options."""
+  what = "apply_window(state)"
+  for name, value in (("next_loss_scale", next_loss_scale),):
+    if value is not None:
+      raise WeightedAccumulationError(
+        f"apply_window({name}=...): state is an in-step result "
+        "(AccumulatedGradients), whose window is closed and reduced "
+        "already; drop the argument (set an in-step call's loss scale with "
+        "its loss_scale=)."
+      )
+  if out.grads is None:
+    raise WeightedAccumulationError(
+      f"{what}: this AccumulatedGradients has no gradients (apply_window's "
+      "own result: its mean went to tx). Pass the out of "
+      "microbatched_value_and_grad, or the window (an AccumState)."
+    )
+  _result_grads(out, params)
+  if jnp.shape(out.valid) != () or jnp.result_type(out.valid) != jnp.bool_:
+    raise WeightedAccumulationError(
+      f"{what}: out.valid must be a bool scalar (got "
+      f"{jnp.result_type(out.valid)}{list(jnp.shape(out.valid))}); pass the "
+      "out of microbatched_value_and_grad unchanged."
+    )
+
+
+def _result_grads(out: AccumulatedGradients, params: Any) -> Any:
+  """``out.grads`` checked against ``params`` (paths and shapes), in the
+  params' structure and at least their dtype and float32."""
+  leaves = tree_utils.match_tree(  # nnx.Param-held or pure, either side
+    tree_utils.unwrap_variables(params),
+    tree_utils.unwrap_variables(out.grads),
+    what="apply_window(state.grads)",
+    ref_name="params",
+  )
+  like = jax.tree.leaves(params)
+  return jax.tree.unflatten(
+    jax.tree.structure(params),
+    [g.astype(_mean_dtype(g.dtype, p)) for g, p in zip(leaves, like)],
+  )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_result_kernel(tx, out, params, opt_state):
+  """``tx`` applied to an in-step result's mean when it is valid; else
+  ``params`` and ``opt_state`` come back untouched (one ``lax.cond``)."""
+  grads = _result_grads(out, params)
+
+  def apply(operands):
+    params, opt_state = operands
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_opt_state = tree_utils.cast_like(new_opt_state, opt_state)
+    return optax.apply_updates(params, updates), new_opt_state
+
+  return jax.lax.cond(
+    jnp.asarray(out.valid), apply, lambda ops: ops, (params, opt_state)
+  )
+
+
 def _check_replicas(state: AccumState, params: Any, axes: tuple) -> None:
   """Refuses a per-replica window closed as if it were global: buffers that
   vary over mesh axes their params do not vary over (and are not reduced
@@ -259,7 +319,7 @@ def _check_replicas(state: AccumState, params: Any, axes: tuple) -> None:
 )
 def apply_window(
   tx: optax.GradientTransformation,
-  state: AccumState,
+  state: AccumState | AccumulatedGradients,
   params: Any,
   opt_state: Any,
   *,
@@ -283,12 +343,21 @@ def apply_window(
   microbatch fully masked) stays open with its counters (it has nothing to
   apply and nothing to lose). Neither raises, eagerly or under ``jit``.
 
+  It also takes, in place of ``state``, the ``out`` of
+  :func:`~weighted_accum.microbatched_value_and_grad` (a window closed in
+  one step): ``tx`` is then applied to ``out.grads`` only when ``out.valid``
+  (an all-padding batch gives zero gradients and ``valid=False``; without
+  this ``tx`` would still move the params through its momentum and weight
+  decay, and advance its step count).
+
   Args:
     tx: the optimizer (any ``optax.GradientTransformation``); it gets the
       window's mean gradient in at least float32 and at least the params'
       dtype (never a narrower mean that could overflow), and its state keeps
       its dtypes.
-    state: the window to close.
+    state: the window to close; or the
+      :class:`~weighted_accum.AccumulatedGradients` of an in-step call,
+      whose mean ``grads`` are applied when ``valid``.
     params: the params the window's gradients belong to (same leaf paths and
       shapes as the buffers).
     opt_state: ``tx``'s state.
@@ -305,6 +374,8 @@ def apply_window(
     ``None`` (the mean went to ``tx``; call :func:`finish_mean` when you need
     it) and whose ``weight``, ``loss_scale``, ``issued``, ``finite`` and
     ``valid`` describe the window just closed (identical on every shard).
+    Given an in-step result: ``(params, opt_state, None, out)``, ``out``
+    as given (no window to reopen).
 
   Raises:
     WeightedAccumulationError: when ``tx`` is not an optax transformation or
@@ -329,6 +400,10 @@ def apply_window(
     ([-1.0, -2.0], True, 0)
   """
   validation.transformation(tx, what="apply_window(tx)")
+  if isinstance(state, AccumulatedGradients):
+    _check_result(state, params, next_loss_scale)
+    p, o = _apply_result_kernel(tx, state, params, opt_state)
+    return p, o, None, state
   state = _window(state, "apply_window", stacked_ok=True)
   if replicas.is_stacked(state):
     return _apply_stacked(tx, state, params, opt_state, next_loss_scale)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from weighted_accum._src import validation
-from weighted_accum._src.across_steps import multi_steps
+from weighted_accum._src.across_steps import held_state
 from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState,
 )
@@ -38,7 +38,7 @@ _HINT = (
 
 
 def _window(state: Any, what: str) -> AccumState:
-  state = multi_steps._unwrap(state)  # nnx.Optimizer's opt_state
+  state = held_state.view(state)  # nnx.Optimizer's opt_state, its State
   if isinstance(state, WeightedMultiStepsState):
     return state.accum
   return validation.instance(
@@ -170,7 +170,7 @@ def discard(
     dtype=st.loss_scale.dtype,
   )
   finishing.shared_over_window(st, ls, "discard(next_loss_scale=...)")
-  wrapper = multi_steps._unwrap(state)
+  wrapper = held_state.view(state)
   if isinstance(wrapper, WeightedMultiStepsState):
     if ls is not None and wrapper.loss_scaler is not None:
       raise WeightedAccumulationError(
@@ -179,9 +179,12 @@ def discard(
         "argument."
       )
     new = _discard_kernel(st, ls)
-    return wrapper._replace(
+    wrapper = wrapper._replace(
       acc_grads=new.grads,
       window=new.replace(grads=None),
       mini_step=jnp.zeros_like(wrapper.mini_step),
     )
-  return _discard_kernel(st, ls)
+  else:
+    wrapper = _discard_kernel(st, ls)
+  # In the caller's types: nnx.Optimizer's Variables, an nnx.State's keys.
+  return held_state.rewrap(state, wrapper)

@@ -54,6 +54,24 @@ def flat(tree: Any) -> list[tuple[str, Any]]:
   return [(path_str(p), leaf) for p, leaf in leaves]
 
 
+def is_variable(x: Any) -> bool:
+  """An ``nnx.Variable`` (``nnx.Param``, ``nnx.Optimizer``'s ``OptArray``):
+  a pytree node in flax 0.12 whose value ``get_value`` returns."""
+  return callable(getattr(x, "get_value", None)) and callable(
+    getattr(x, "replace", None)
+  )
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with every ``nnx.Variable`` replaced by its value (the same
+  leaves; paths without the Variable's ``.value``)."""
+  return jax.tree.map(
+    lambda x: x.get_value() if is_variable(x) else x,
+    tree,
+    is_leaf=is_variable,
+  )
+
+
 def leaf_paths(tree: Any) -> list[str]:
   """The readable path of every leaf of ``tree``, in flattening order."""
   return [p for p, _ in flat(tree)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,11 +122,17 @@ def _check_disjoint(what: str, roles: dict[str, tuple[int, ...]]) -> None:
 
 class Diff(NamedTuple):
   """A differentiated argument: its structure, which leaves are
-  differentiated (floating arrays) and all its leaves."""
+  differentiated (floating arrays) and all its leaves. For an NNX object
+  (an ``nnx.Module``), these are those of its ``nnx.Param`` state, and
+  ``node`` is the object, ``graphdef`` its structure and ``rest`` its other
+  state (RNG streams, batch statistics), threaded through the loop."""
 
   treedef: Any
   mask: tuple[bool, ...]
   leaves: tuple[Any, ...]
+  node: Any = None
+  graphdef: Any = None
+  rest: Any = None
 
 
 class Batch(NamedTuple):
@@ -159,6 +166,11 @@ def differentiable(x: Any) -> bool:
 
 
 def _diff(what: str, n: int, x: Any) -> Diff:
+  if nnx.graph.is_graph_node(x):  # as nnx.value_and_grad: Params, the rest
+    graphdef, params, rest = nnx.split(x, nnx.Param, ...)
+    d = _diff(what, n, params)
+    return d._replace(node=x, graphdef=graphdef, rest=rest)
+  _refuse_nnx_state(what, n, x)
   leaves, treedef = jax.tree.flatten(x)
   mask = tuple(differentiable(v) for v in leaves)
   if not any(mask):
@@ -168,6 +180,26 @@ def _diff(what: str, n: int, x: Any) -> Diff:
       "e.g. jnp.asarray(1.0) for a scalar."
     )
   return Diff(treedef, mask, tuple(leaves))
+
+
+def _refuse_nnx_state(what: str, n: int, x: Any) -> None:
+  """A tree (an ``nnx.State``) holding NNX variables other than
+  ``nnx.Param``: their updates (an RNG stream's count, batch statistics)
+  could not be returned, and silently dropping them repeats one dropout
+  mask for ever."""
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  for path, v in jax.tree_util.tree_flatten_with_path(x, is_leaf=is_var)[0]:
+    if is_var(v) and not isinstance(v, nnx.Param):
+      raise WeightedAccumulationError(
+        f"{what}: argument {n} (argnums) holds {type(v).__name__} at "
+        f"{jax.tree_util.keystr(path)}, which is not differentiated and "
+        "whose updates this tree cannot carry out. Pass the whole "
+        "nnx.Module (its non-Param state is threaded through the "
+        "microbatches and written back, as nnx.value_and_grad does), or "
+        "split it: nnx.split(model, nnx.Param, ...), the params at argnums "
+        "and the rest at state_argnums (loss_fn returns its new value; "
+        "random keys may instead go to key_argnums)."
+      )
 
 
 def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
@@ -300,8 +332,18 @@ def as_params(call: Call, values: tuple[list[Any], ...], roles: Roles) -> Any:
     it = iter(vals)
     trees.append(
       jax.tree.unflatten(d.treedef, [next(it) if m else None for m in d.mask])
-    )
+    )  # an NNX object's: an nnx.State of its Params, as nnx.grad's
   return trees[0] if roles.single else tuple(trees)
+
+
+def param_tree(what: str, n: int, x: Any) -> Any:
+  """Argument ``n``'s differentiated leaves in its gradients' structure
+  (``None`` where a leaf is held fixed; an NNX object's ``nnx.Param``
+  state)."""
+  d = _diff(what, n, x)
+  return jax.tree.unflatten(
+    d.treedef, [v if m else None for v, m in zip(d.leaves, d.mask)]
+  )
 
 
 def _combine(d: Diff, vals: list[Any]) -> Any:
@@ -312,8 +354,51 @@ def _combine(d: Diff, vals: list[Any]) -> Any:
 
 
 def states(call: Call, roles: Roles) -> tuple[Any, ...]:
-  """The threaded arguments' values at the call."""
-  return tuple(call.args[n] for n in roles.state_argnums)
+  """The threaded values at the call: the ``state_argnums`` arguments',
+  then each differentiated NNX object's non-Param state."""
+  rests = tuple(d.rest for d in call.diffs if d.node is not None)
+  return tuple(call.args[n] for n in roles.state_argnums) + rests
+
+
+def refuse_node_state(what: str, roles: Roles, args: tuple, why: str) -> None:
+  """Refuses differentiated NNX objects with non-Param state where it
+  cannot be threaded (``why`` says where and what to do instead)."""
+  for n in roles.argnums:
+    x = args[n] if n < len(args) else None
+    if nnx.graph.is_graph_node(x):
+      rest = nnx.state(x, nnx.Not(nnx.Param))
+      if jax.tree.leaves(rest):
+        raise WeightedAccumulationError(
+          f"{what}: argument {n} (argnums) is an NNX object with non-Param "
+          f"state ({', '.join(sorted({type(v).__name__ for v in _vars(rest)}))}"
+          f"); {why}"
+        )
+
+
+def _vars(tree: Any) -> list:
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  return [v for v in jax.tree.leaves(tree, is_leaf=is_var) if is_var(v)]
+
+
+def node_states(call: Call, roles: Roles, args: list) -> tuple[Any, ...]:
+  """The non-Param state of each differentiated NNX object in ``args``
+  (one microbatch's, after ``loss_fn`` ran on them)."""
+  return tuple(
+    nnx.state(args[n], nnx.Not(nnx.Param))
+    for n, d in zip(roles.argnums, call.diffs)
+    if d.node is not None
+  )
+
+
+def write_back(call: Call, roles: Roles, threaded: tuple) -> tuple:
+  """Writes the NNX objects' final non-Param state into the caller's
+  objects (as ``nnx.value_and_grad`` does); returns the ``state_argnums``
+  part of ``threaded``."""
+  k = len(roles.state_argnums)
+  nodes = [d.node for d in call.diffs if d.node is not None]
+  for node, rest in zip(nodes, threaded[k:]):
+    nnx.update(node, rest)
+  return threaded[:k]
 
 
 def microbatch(
@@ -343,6 +428,10 @@ def microbatch(
     # Rebuilt here, in the trace that runs loss_fn: an NNX state's Variables
     # may then be mutated by it (flax refuses mutating one of an outer trace).
     args[n] = jax.tree.map(lambda x: x, s)
+  rests = iter(threaded[len(roles.state_argnums) :])
   for n, d, vals in zip(roles.argnums, call.diffs, values):
     args[n] = _combine(d, vals)
+    if d.node is not None:  # a fresh object: loss_fn may mutate it
+      rest = jax.tree.map(lambda x: x, next(rests))  # in this trace
+      args[n] = nnx.merge(d.graphdef, args[n], rest)
   return args, kwargs

@@ -67,8 +67,7 @@ def _objective(cfg, call, group, norms, i, threaded, scale):
   another window's terms (a fully masked term's 0/0 stays out of it)."""
 
   def fn(values):
-    args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
-    ev = terms.evaluate(cfg, args, kwargs)
+    ev = _evaluate(cfg, call, i, values, threaded)
     # At least float32; float64 stays float64 (under x64).
     ct = numerics.compute_dtype(
       jnp.result_type(*(ev.terms[t] for t in group.terms))
@@ -82,6 +81,16 @@ def _objective(cfg, call, group, norms, i, threaded, scale):
     return s * scale.astype(ct), ev
 
   return fn
+
+
+def _evaluate(cfg, call, i, values, threaded) -> terms.Eval:
+  """``loss_fn`` on microbatch ``i``; the threaded states it leaves (those
+  it returns, then the NNX objects' non-Param state it mutated)."""
+  args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
+  ev = terms.evaluate(cfg, args, kwargs)
+  return ev._replace(
+    states=ev.states + margs.node_states(call, cfg.roles, args)
+  )
 
 
 # --------------------------------------------------------------- the loop --
@@ -99,12 +108,7 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
   states checked to come back as they went in."""
   values = margs.diff_values(call)
 
-  def first():
-    return terms.evaluate(
-      cfg, *margs.microbatch(call, cfg.roles, 0, values, threaded)
-    )
-
-  ev = jax.eval_shape(first)
+  ev = jax.eval_shape(lambda: _evaluate(cfg, call, 0, values, threaded))
   like = lambda t: [
     (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(t)
   ]
@@ -297,7 +301,8 @@ def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
   return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
 
 
-def _with_state(cfg: _Config, result: Any, threaded: tuple) -> Any:
+def _with_state(cfg: _Config, call, result: Any, threaded: tuple) -> Any:
+  threaded = margs.write_back(call, cfg.roles, threaded)
   if not cfg.roles.state_argnums:
     return result
   return result, threaded[0] if cfg.roles.single_state else threaded
@@ -344,7 +349,7 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
       finishing.refuse_empty(st, _WHAT)
   loss, out = terms.conclude(cfg, p.call, groups, norms, carry)
   result = ((loss, carry.aux), out) if cfg.has_aux else (loss, out)
-  return _with_state(cfg, result, carry.threaded)
+  return _with_state(cfg, p.call, result, carry.threaded)
 
 
 def _accumulate(cfg: _Config, state, args, kwargs, n_real):
@@ -363,7 +368,7 @@ def _accumulate(cfg: _Config, state, args, kwargs, n_real):
   if block:
     st = replicas.stack(st, cfg.axis_name)
   result = ((value, carry.aux) if cfg.has_aux else value), st
-  return _with_state(cfg, result, carry.threaded)
+  return _with_state(cfg, p.call, result, carry.threaded)
 
 
 @validation.refuse_removed(
@@ -432,7 +437,10 @@ def microbatched_value_and_grad(
       floating array leaves are differentiated; the others (ints, bools,
       Python numbers, functions: an Equinox module's static half) are held
       fixed and get ``None`` gradients, as with
-      ``eqx.filter_value_and_grad``.
+      ``eqx.filter_value_and_grad``. A whole ``nnx.Module`` is taken as
+      ``nnx.value_and_grad`` takes it: its ``nnx.Param`` state is
+      differentiated (the grads are an ``nnx.State``), its other state (RNG
+      streams, batch statistics) is threaded and written back.
     batch_argnums: the argument(s) to split (pytrees whose leaves share a
       batch axis): a position, a keyword name (optax's ``argnames``), a
       sequence of them (batch axis 0), or a mapping from each to its batch

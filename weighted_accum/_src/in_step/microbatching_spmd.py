@@ -173,10 +173,7 @@ def options(kw: dict) -> dict:
 def _params(cfg: Any, args: tuple) -> Any:
   """The differentiated leaves in the params' structure (``None`` where a
   leaf is held fixed), shaped like the gradients."""
-  trees = [
-    jax.tree.map(lambda x: x if margs.differentiable(x) else None, args[n])
-    for n in cfg.roles.argnums
-  ]
+  trees = [margs.param_tree(_WHAT, n, args[n]) for n in cfg.roles.argnums]
   return trees[0] if cfg.roles.single else tuple(trees)
 
 
@@ -249,6 +246,15 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   ``data_axes``; the inner config runs on each replica's rows."""
   axes = cfg.data_axes
   _refuse_roles(cfg)
+  margs.refuse_node_state(
+    f"{_WHAT}(data_axes={axes})",
+    cfg.roles,
+    args,
+    "each replica would thread its own copy through its rows (as with "
+    "state_argnums). Call f inside jax.shard_map with axis_name=... "
+    "instead, or pass nnx.state(model, nnx.Param) at argnums and keep the "
+    "rest out of the loss (e.g. random keys at key_argnums).",
+  )
   if set(axes) & set(tree_utils.manual_axes()):
     raise WeightedAccumulationError(
       f"{_WHAT}(data_axes={axes}): called inside a shard_map over these "

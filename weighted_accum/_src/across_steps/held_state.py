@@ -1,0 +1,80 @@
+"""The optax wrapper's state as Flax NNX holds it, read and written back.
+
+``nnx.Optimizer(model, wa.WeightedMultiSteps(...)).opt_state`` is a
+:class:`WeightedMultiStepsState` whose array leaves are ``nnx.Variable``
+objects (``OptArray``); ``nnx.state(optimizer)`` (or a checkpoint restored
+into it) holds the same fields as a nested ``nnx.State`` mapping, the
+NamedTuple and :class:`~weighted_accum.AccumState` types gone. The window
+functions read either through :func:`view` (the plain state) and give a
+changed state back in the caller's types through :func:`rewrap`: every
+``nnx.Variable`` keeps its type and metadata with its new value, every
+``nnx.State`` its keys, so ``nnx.Optimizer.update`` and ``nnx.update`` take
+the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from weighted_accum._src.across_steps.multi_steps_step import (
+  WeightedMultiStepsState,
+)
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core.base import AccumState
+
+# Fields a nnx.State drops: it keeps no empty subtree and no None.
+_ABSENT = {"skip_state": (), "loss_scaler": None}
+
+
+is_variable = tree_utils.is_variable
+unwrap = tree_utils.unwrap_variables
+
+
+def _is_wrapper_mapping(x: Any) -> bool:
+  return isinstance(x, Mapping) and {"acc_grads", "window"} <= set(x.keys())
+
+
+def view(state: Any) -> Any:
+  """The plain state: Variables unwrapped; the optax wrapper's state held as
+  an ``nnx.State`` rebuilt as a :class:`WeightedMultiStepsState` (its
+  window's work dtype is the buffers': the static field is not in a
+  ``nnx.State``). Anything else comes back unwrapped, for the caller to
+  validate."""
+  plain = unwrap(state)
+  if not _is_wrapper_mapping(plain):
+    return plain
+  buffers = jax.tree.leaves(plain["acc_grads"])
+  dtype = buffers[0].dtype if buffers else jnp.float32
+  window = AccumState(grads=None, dtype=dtype, **dict(plain["window"]))
+  fields = {
+    f: plain[f] if f in plain else _ABSENT.get(f)
+    for f in WeightedMultiStepsState._fields
+  }
+  return WeightedMultiStepsState(**{**fields, "window": window})
+
+
+def _children(tree: Any) -> list:
+  """``tree``'s children, one level down (``None`` kept as a child)."""
+  return jax.tree.leaves(tree, is_leaf=lambda x: x is not tree or x is None)
+
+
+def rewrap(like: Any, new: Any) -> Any:
+  """``new`` (a plain value shaped like :func:`view` of ``like``) in
+  ``like``'s containers: each ``nnx.Variable`` of ``like`` holds its new
+  value, each mapping (an ``nnx.State``) keeps its type and keys, read by
+  key or attribute from ``new``."""
+  if is_variable(like):
+    return like.replace(rewrap(like.get_value(), new))
+  if isinstance(like, Mapping):
+    get = new.__getitem__ if isinstance(new, Mapping) else new.__getattribute__
+    return type(like)({k: rewrap(v, get(k)) for k, v in like.items()})
+  if like is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(like)):
+    return new
+  parts = [rewrap(a, b) for a, b in zip(_children(like), _children(new))]
+  return jax.tree.unflatten(
+    jax.tree.structure(like, is_leaf=lambda x: x is not like), parts
+  )
