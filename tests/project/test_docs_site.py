@@ -26,7 +26,12 @@ import weighted_accum
 
 ROOT = pathlib.Path(__file__).parents[2]
 DOCS = ROOT / "docs"
-SOURCES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.glob("*.md")]
+SOURCES = [
+  ROOT / "README.md",
+  ROOT / "CONTRIBUTING.md",
+  *DOCS.glob("*.md"),
+  *DOCS.glob("recipes/*.md"),
+]
 
 pytestmark = pytest.mark.slow
 

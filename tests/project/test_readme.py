@@ -1,6 +1,8 @@
-"""README.md and docs/*.md: the set-up commands CI runs, and every example runs.
+"""README.md, docs/*.md and docs/recipes/*.md: the set-up commands CI runs,
+and every example runs.
 
-Convention for examples in README.md and docs/*.md (Markdown):
+Convention for examples in README.md, docs/*.md and docs/recipes/*.md
+(Markdown):
 
 - A marked region ``<!-- BEGIN name -->`` ... ``<!-- END name -->`` is one
   test: its ```` ```python ```` blocks run in order, in one fresh namespace,
@@ -23,7 +25,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
 README = (ROOT / "README.md").read_text()
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [
+  ROOT / "README.md",
+  *sorted((ROOT / "docs").glob("*.md")),
+  *sorted((ROOT / "docs" / "recipes").glob("*.md")),
+]
 
 _REGION = re.compile(r"<!-- BEGIN (\S+) -->\n(.*?)<!-- END \1 -->", re.S)
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

@@ -413,11 +413,27 @@ def microbatched_value_and_grad(
   state (``state_argnums``), a random key per microbatch (``key_argnums``),
   or passed unchanged (any value, strings and functions included).
 
+  What ``loss_fn`` returns for one microbatch, and what ``f`` returns:
+
+  ==================  ======================================  ================================
+  options             ``loss_fn`` returns                     ``f(...)`` returns
+  ==================  ======================================  ================================
+  neither             ``(loss, weight)``                      ``(loss, out)``
+  ``has_aux``         ``((loss, weight), aux)``               ``((loss, aux), out)``
+  ``state_argnums``   ``((loss, weight), new_state)``         ``((loss, out), state)``
+  both                ``(((loss, weight), aux), new_state)``  ``(((loss, aux), out), state)``
+  ==================  ======================================  ================================
+
+  ``f.accumulate(window, ...)`` nests its result the same way, with
+  ``(loss_sum, weight)`` in place of ``loss`` and the new window in place of
+  ``out``. ``new_state`` and ``state`` are one state for an int
+  ``state_argnums`` and a tuple of states, one per argument, for a
+  sequence; ``state`` is the last microbatch's.
+
   Args:
     loss_fn: called as ``loss_fn(*args, **kwargs)`` on one microbatch;
-      returns ``(loss, weight)``, or ``((loss, weight), aux)`` with
-      ``has_aux``; with ``state_argnums``, that paired with the new state:
-      ``(..., new_state)``. ``weight`` is the microbatch's effective item
+      returns ``(loss, weight)``, nested with ``aux`` and the new state as
+      the table above says. ``weight`` is the microbatch's effective item
       count (e.g. ``mask.sum()``), not differentiated. ``loss`` may be a
       dict of loss terms, each normalised by its own total weight (then
       ``weight`` is a dict with the same keys, or one weight for all; a
@@ -479,9 +495,9 @@ def microbatched_value_and_grad(
 
   Returns:
     ``f(*args, num_real_microbatches=None, loss_scale=None,
-    normalizers=None, **kwargs)`` returning ``(loss, out)``, or ``((loss,
-    aux), out)`` with ``has_aux`` (with ``state_argnums``: that paired with
-    the last state). ``loss`` is the exact float32 mean loss (a dict of the
+    normalizers=None, **kwargs)`` returning ``(loss, out)``, nested with
+    ``aux`` and the last state as the table above says. ``loss`` is the
+    exact float32 mean loss (a dict of the
     terms' means for a dict of terms), ``aux`` is stacked on a leading K
     axis (microbatch order, zeros where skipped), ``out`` an
     :class:`~weighted_accum.AccumulatedGradients` (mean gradient, total
@@ -499,10 +515,10 @@ def microbatched_value_and_grad(
     of its own. ``kwargs`` go to
     ``loss_fn``. ``f.accumulate(state, *args, num_real_microbatches=None,
     **kwargs)`` adds the call's microbatches to an open window ``state``
-    without finishing and returns ``((loss_sum, weight), state)``
-    (``(((loss_sum, weight), aux), state)`` with ``has_aux``; paired with
-    the last threaded state with ``state_argnums``), the call's unscaled
-    loss sum and weight; it uses the state's work dtype and loss scale.
+    without finishing and returns ``((loss_sum, weight), state)``, nested
+    with ``aux`` and the last threaded state as ``f``'s result (the table
+    above), the call's unscaled loss sum and weight; it uses the state's
+    work dtype and loss scale.
     Under plain ``jit`` with ``axis_name``, ``aux`` leaves are ``[K, N, ...]`` (``aux[k, r]``
     replica ``r``'s value for its rows of microbatch ``k``, sharded over
     the data axes on dimension 1), and ``f.accumulate`` takes a per-replica
