@@ -5,15 +5,17 @@ against an independent reference (the full-batch gradient; float64 NumPy):
 
 - in one step, ``optax.microbatching.microbatch`` over the gradient of a loss
   SUM with a SUM accumulator, divided by the batch's item count, IS the
-  full-batch gradient (README's comparison, docs/microbatching.md);
+  full-batch gradient (README's comparison, the in-step page);
 - the MEAN accumulator over per-microbatch mean losses is not;
 - across steps, ``optax.MultiSteps`` (equal weight per microbatch) is off by
-  the relative errors quoted in README.md and docs/migration.md on the
+  the relative errors quoted in README.md and the migration guide on the
   demo's variable-length batch (the same numbers ``python -m weighted_accum``
   prints), and ``wa.WeightedMultiSteps`` with the two-line migration is not;
-- Adam amplifies float32 rounding of near-zero gradients (docs/migration.md:
+- Adam amplifies float32 rounding of near-zero gradients (the migration guide:
   compare gradients, not Adam-updated params).
 """
+
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ import weighted_accum as wa
 from weighted_accum._src import demo
 
 # The relative gradient errors of optax.MultiSteps vs the full batch on the
-# demo's batch (seed 0), as README.md and docs/migration.md quote them.
+# demo's batch (seed 0), as README.md and the migration guide quote them.
 QUOTED_MULTISTEPS_ERROR = {2: 0.039, 4: 0.045, 8: 0.107, 16: 0.245}
 
 
@@ -139,3 +141,14 @@ def test_adam_amplifies_rounding_of_near_zero_gradients():
     jnp.max(jnp.abs(adam_step(accumulated)["w"] - adam_step(full)["w"]))
   )
   assert param_diff > 1e-5 and param_diff > 1e3 * grad_diff
+
+
+def test_readme_quotes_the_measured_errors():
+  """README.md's numbers are the ones the tests above measure."""
+  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  text = " ".join(readme.split())
+  for k in (2, 8, 16):
+    quoted = f"{100 * QUOTED_MULTISTEPS_ERROR[k]:.1f}% at K = {k}"
+    assert quoted in text, quoted
+  assert "optax.microbatching.microbatch(jax.grad(sum_loss)," in text
+  assert "compare gradients, not Adam-updated params" in text
