@@ -74,6 +74,7 @@ extensions = [
   "sphinx.ext.viewcode",
   "api_all",  # the API reference by topic, checked against __all__
   "wa_signatures",  # public names in signatures and docstrings
+  "figures",  # figures full-width, each a link to its full-size file
 ]
 
 source_suffix = {
@@ -146,7 +147,10 @@ nitpicky = True
 
 html_theme = "furo"
 html_title = "weighted_accum"
-html_static_path = []
+# Wide tables wrap (or scroll), figures span the column: checked at 1280 px
+# by ci/check_rendering.py.
+html_static_path = ["_static"]
+html_css_files = ["layout.css"]
 _URLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get(
   "urls", {}
 )
