@@ -553,11 +553,15 @@ def set_loss_scale(
     dtype=state.loss_scale.dtype,
   )
   if not tree_utils.is_traced(state.weight_hi):
-    total = state.total_weight
+    # Summed over the replicas of a stacked per-replica window.
+    total = float(
+      np.sum(np.asarray(state.weight_hi, np.float64))
+      + np.sum(np.asarray(state.weight_lo, np.float64))
+    )
     if total != 0:
       raise WeightedAccumulationError(
         f"set_loss_scale: the open window already holds total weight "
-        f"{total!r} from {int(state.issued)} microbatch(es) accumulated at "
+        f"{total!r} from {int(np.sum(state.issued))} microbatch(es) accumulated at "
         f"loss scale {float(state.loss_scale)!r}; the scale is constant "
         "within a window. Finish the window first, or set the next "
         "window's scale with finish_mean/finish_sums(next_loss_scale=...)."
@@ -567,7 +571,8 @@ def set_loss_scale(
 
 def _set_scale(state: AccumState, ls: Any, checked: bool) -> AccumState:
   ls = jnp.asarray(ls, state.loss_scale.dtype)
-  empty = (state.weight_hi == 0) & (state.weight_lo == 0)
+  # Every replica's weight, for a stacked window: its scale is shared.
+  empty = jnp.all((state.weight_hi == 0) & (state.weight_lo == 0))
   ok = validation.scale_ok(ls)
   if checked and (tree_utils.is_traced(ls) or tree_utils.is_traced(empty)):
     checkify.check(
