@@ -59,6 +59,7 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16] + (
   [jnp.float64] if jax.config.jax_enable_x64 else []
 )
 F32 = np.finfo(np.float32)
+COUNTER_NAMES = tuple(wa.init({"a": jnp.zeros(1)}).counters)
 
 # Weights: zero, fractional (0.1 is not a float32), integers, large (2**24 +
 # 1 is exact only eagerly: jit's float32 rounds it), and hostile ones.
@@ -144,6 +145,12 @@ _J = {
   "dp_finish_mean": jax.jit(dp_finish_mean),
   "dp_apply_window": jax.jit(dp_apply_window),
 }
+
+
+_init_jit = jax.jit(
+  lambda p, ls, dtype: wa.init(p, dtype=dtype, loss_scale=ls),
+  static_argnames="dtype",
+)
 
 
 def _in_shard_map(body, state, args, arg_specs, out_specs):
@@ -249,10 +256,11 @@ class Model:
     if w == 0:
       self.zero_weight[r] += 1
       return
-    for k, g in grads.items():
-      c = g * w if mean else g
-      self.sums[k][r] += c
-      self.abs[k][r] += np.abs(c)
+    with np.errstate(invalid="ignore"):  # Inf + -Inf is NaN, as in JAX
+      for k, g in grads.items():
+        c = g * w if mean else g
+        self.sums[k][r] += c
+        self.abs[k][r] += np.abs(c)
     self.adds[r] += 1
     self.weight[r] += w
     self.exact &= _dyadic(w)
@@ -343,6 +351,17 @@ def assert_state(state: wa.AccumState, m: Model) -> None:
     np.testing.assert_array_equal(hi + lo, m.weight, "weight (exact)")
   else:
     np.testing.assert_allclose(hi + lo, m.weight, rtol=2.0**-44)
+  counters = state.counters
+  assert tuple(counters) == COUNTER_NAMES
+  for name, v in counters.items():
+    assert v is getattr(state, name), name
+  if r == 1:  # (a stacked window's total_weight raises a TypeError)
+    total = state.total_weight
+    assert isinstance(total, float)
+    if m.exact:
+      assert total == m.total, (total, m.total)
+    else:
+      np.testing.assert_allclose(total, m.total, rtol=2.0**-44)
   eps = float(jnp.finfo(m.dtype).eps)
   for k in m.sums:
     b = state.grads[k]
@@ -392,6 +411,16 @@ def assert_out(out, m: Model, *, mean: bool, apply: bool = False) -> None:
       k: eps * (m.adds.sum() + 2) * a.sum(axis=0) for k, a in m.abs.items()
     }
     assert_tree_close(out.grads, m.global_sums(), tol, "finish_sums grads")
+
+
+def assert_same_bits(a, b):
+  """The same tree, dtypes, shapes and bits (and work dtype)."""
+  assert jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype and x.shape == y.shape
+    np.testing.assert_array_equal(
+      np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8)
+    )
 
 
 # ------------------------------------------------------------- the driver --
@@ -450,6 +479,25 @@ class WindowMachine(RuleBasedStateMachine):
     self.opt_state = TX.init(self.params)
     self.state = self.make_state(dtype, loss_scale)
     self.model = Model(self.replicas, dtype, loss_scale)
+
+  @rule(
+    eager=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+    scale=st.sampled_from(SCALES + HOSTILE_SCALES),
+  )
+  def init(self, eager, dtype, scale):
+    """A new window (the old one is dropped): a concrete invalid scale
+    raises, a traced one makes the window unusable (NaN scale)."""
+    eager = eager or self.replicas > 1  # dp_init outside jit only
+    if eager and not scale_ok(_f32(scale)):
+      with pytest.raises(Error):
+        self.make_state(dtype, scale)
+      return
+    if eager:
+      self.state = self.make_state(dtype, scale)
+    else:
+      self.state = _init_jit(self.params, jnp.float32(scale), dtype=dtype)
+    self.model = Model(self.replicas, dtype, _stored_scale(scale, eager))
 
   @invariant()
   def state_matches_model(self):
@@ -619,6 +667,23 @@ class WindowMachine(RuleBasedStateMachine):
     self.params = params
     m.close(stored, keep_empty=True)
 
+  @precondition(lambda self: self.replicas == 1)
+  @rule(host=st.booleans())
+  def from_buffers(self, host):
+    """The buffers and counters reattached (as device or NumPy arrays)
+    continue the window exactly; a zero-weight window's must be zero."""
+    bufs, counters = self.state.grads, self.state.counters
+    if host:
+      bufs = jax.tree.map(np.asarray, bufs)
+      counters = {k: np.asarray(v) for k, v in counters.items()}
+    if not scale_ok(self.model.loss_scale):  # documented: refused
+      with pytest.raises(Error):
+        wa.from_buffers(self.params, bufs, counters)
+      return
+    restored = wa.from_buffers(self.params, bufs, counters)
+    assert_same_bits(restored, self.state)
+    self.state = restored
+
   # -- Orbax --
 
   def template(self):
@@ -638,12 +703,7 @@ class WindowMachine(RuleBasedStateMachine):
         ckptr.save(path, args=wa.AccumSave(self.state))
       with ocp.Checkpointer(wa.checkpoint.AccumCheckpointHandler()) as ckptr:
         restored = ckptr.restore(path, args=wa.AccumRestore(template))
-    assert jnp.dtype(restored.dtype) == jnp.dtype(self.state.dtype)
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(self.state)):
-      assert a.dtype == b.dtype and a.shape == b.shape
-      np.testing.assert_array_equal(
-        np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)
-      )
+    assert_same_bits(restored, self.state)
     self.state = restored
 
 
@@ -779,7 +839,6 @@ def _one_window(params, grads, weights, loss_scale, dtype, mean):
   )(params, grads, weights, loss_scale)
 
 
-COUNTER_NAMES = tuple(wa.init({"a": jnp.zeros(1)}).counters)
 PER_REPLICA_COUNTS = (
   "issued",
   "zero_weight",
@@ -846,14 +905,6 @@ def _roundtrip(state, template, *, refusal_ok=False):
       return ckptr.restore(path, args=wa.AccumRestore(template))
 
 
-def _assert_same_bits(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    np.testing.assert_array_equal(
-      np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8)
-    )
-
-
 @pytest.mark.xfail(
   strict=True,
   raises=Error,
@@ -865,7 +916,7 @@ def test_stacked_window_restores():
   state = dp_init(params, jnp.float32, 1.0)
   grads = {"a": jnp.ones((REPLICAS, 3))}
   state = _sm_accumulate(state, grads, jnp.asarray([2.0, 0.0]), mean=False)
-  _assert_same_bits(_roundtrip(state, state), state)
+  assert_same_bits(_roundtrip(state, state), state)
 
 
 @pytest.mark.xfail(
@@ -880,4 +931,4 @@ def test_unusable_window_saves_and_restores_or_refuses_to_save():
   assert np.isnan(state.loss_scale)
   restored = _roundtrip(state, state, refusal_ok=True)
   if restored is not None:  # refusing to save it would be consistent too
-    _assert_same_bits(restored, state)
+    assert_same_bits(restored, state)
