@@ -932,3 +932,20 @@ def test_unusable_window_saves_and_restores_or_refuses_to_save():
   restored = _roundtrip(state, state, refusal_ok=True)
   if restored is not None:  # refusing to save it would be consistent too
     assert_same_bits(restored, state)
+
+
+def test_set_loss_scale_of_a_stacked_window_keeps_one_shared_scale():
+  """The scale is shared by the replicas: set while every replica's weight
+  is 0, refused (eager) or made unusable (jit) once any replica holds
+  weight; a scalar either way."""
+  params = jax.device_put({"a": jnp.zeros(3)}, NamedSharding(MESH, P()))
+  state = dp_init(params, jnp.float32, 1.0)
+  for f in (wa.set_loss_scale, _J["set_loss_scale"]):
+    ls = f(state, jnp.float32(4.0)).loss_scale
+    assert ls.shape == () and float(ls) == 4.0
+  grads = {"a": jnp.ones((REPLICAS, 3))}
+  state = _sm_accumulate(state, grads, jnp.asarray([0.0, 2.0]), mean=False)
+  with pytest.raises(Error, match="already holds total weight 2.0"):
+    wa.set_loss_scale(state, 4.0)
+  ls = _J["set_loss_scale"](state, jnp.float32(4.0)).loss_scale
+  assert ls.shape == () and np.isnan(ls)
