@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 import math
 import tempfile
+import types
+from typing import Any
 
 from hypothesis import given
 from hypothesis import settings
@@ -803,11 +805,20 @@ TestReplicaWindowModel.settings = MACHINE_SETTINGS
 K = 3  # microbatches per replica
 
 
+SHARED = ("windows", "loss_scale")  # identical on every replica
+
+
 @functools.partial(jax.jit, static_argnames=("dtype", "mean"))
 def _one_window(params, grads, weights, loss_scale, dtype, mean):
   """A window made, filled (``lax.scan``) and closed inside one
-  ``shard_map``; returns the close's result, the window before it (stacked
-  over the replicas) and the window after it."""
+  ``shard_map``; returns the close's result and the observables of the
+  window before and after it (each replica's values stacked)."""
+
+  def observed(s):
+    leaves = {"grads": s.grads, **s.counters}
+    for name in SHARED:  # unvarying: made per replica to be stacked
+      leaves[name] = jax.lax.pcast(leaves[name], AXIS, to="varying")
+    return jax.tree.map(lambda x: x[None], leaves)
 
   def body(p, g, w, ls):
     s = dp_init_local(p, dtype, ls)
@@ -818,34 +829,26 @@ def _one_window(params, grads, weights, loss_scale, dtype, mean):
 
     s, _ = jax.lax.scan(step, s, (g, w))
     out, new = dp_finish_mean(s, None)
-    return out, _stacked(s), _stacked(new)
+    return out, observed(s), observed(new)
 
-  def _stacked(s):
-    return s.replace(
-      grads=jax.tree.map(lambda x: x[None], s.grads),
-      **{k: getattr(s, k)[None] for k in PER_REPLICA_COUNTS},
-    )
-
-  specs = wa.AccumState(
-    grads=P(AXIS),
-    **{k: P(AXIS) if k in PER_REPLICA_COUNTS else P() for k in COUNTER_NAMES},
-    dtype=dtype,
-  )
   return jax.shard_map(
     body,
     mesh=MESH,
     in_specs=(P(), P(None, AXIS), P(None, AXIS), P()),
-    out_specs=(P(), specs, specs),
+    out_specs=(P(), P(AXIS), P(AXIS)),
   )(params, grads, weights, loss_scale)
 
 
-PER_REPLICA_COUNTS = (
-  "issued",
-  "zero_weight",
-  "rejected",
-  "weight_hi",
-  "weight_lo",
-)
+def _as_stacked_window(observed: dict, dtype) -> Any:
+  """The observables of a per-replica window as a stacked window's (the
+  shared counters checked equal on every replica)."""
+  fields = dict(observed)
+  for name in SHARED:
+    v = np.asarray(fields[name])
+    np.testing.assert_array_equal(v, v[:1].repeat(REPLICAS), name)
+    fields[name] = fields[name][0]
+  counters = {k: fields[k] for k in COUNTER_NAMES}
+  return types.SimpleNamespace(dtype=dtype, counters=counters, **fields)
 
 
 @settings(max_examples=10, deadline=None)
@@ -880,10 +883,10 @@ def test_replica_window_inside_shard_map(
   for k in range(K):
     for r in range(REPLICAS):
       m.add(r, {n: g[r] for n, g in hg[k].items()}, float(w[k, r]), mean)
-  assert_state(before, m)
+  assert_state(_as_stacked_window(before, dtype), m)
   assert_out(out, m, mean=True)
   m.close(None, keep_empty=True)
-  assert_state(after, m)
+  assert_state(_as_stacked_window(after, dtype), m)
 
 
 # ------------------------------------------- defects found by the model --
