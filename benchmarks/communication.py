@@ -223,9 +223,9 @@ def in_step_rows() -> list[dict]:
           loss,
           k,
           mode="sum",
-          data_axes=m.data_axes,
-          param_specs=specs,
-          fsdp=fsdp,
+          axis_name=wa.distributed.DataParallel(
+            m.data_axes, param_specs=specs, fsdp=fsdp
+          ),
         )
       if label == "replicated":
         inner = mv(loss, k, mode="sum", axis_name="data")

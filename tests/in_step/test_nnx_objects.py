@@ -153,7 +153,12 @@ def test_state_with_rng_variables_is_refused():
 
 def test_module_with_rng_state_refused_with_data_axes():
   model = _Net(nnx.Rngs(0))
-  f = wa.microbatched_value_and_grad(_loss, K, mode="sum", data_axes="data")
+  f = wa.microbatched_value_and_grad(
+    _loss,
+    K,
+    mode="sum",
+    axis_name="data",
+  )
   with pytest.raises(wa.WeightedAccumulationError, match="RngCount"):
     f(model, _batch(0))
 

@@ -443,7 +443,7 @@ def set_loss_scale(
     dtype=state.loss_scale.dtype,
   )
   if not tree_utils.is_traced(state.weight_hi):
-    total = state.total_weight
+    total = state.total_weight  # a stacked window's: over the replicas
     if total != 0:
       raise WeightedAccumulationError(
         f"set_loss_scale: the open window already holds total weight "
