@@ -26,11 +26,11 @@ from weighted_accum._src.across_steps.multi_steps import (
 from weighted_accum._src.across_steps.multi_steps import (
   window_counters as window_counters,
 )
-from weighted_accum._src.across_steps.multi_steps_step import (
-  WeightedMultiStepsState as WeightedMultiStepsState,
-)
 from weighted_accum._src.across_steps.train_state import (
   TrainState as TrainState,
+)
+from weighted_accum._src.across_steps.wrapper_state import (
+  WeightedMultiStepsState as WeightedMultiStepsState,
 )
 
 # The state and the error.

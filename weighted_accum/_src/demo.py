@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from weighted_accum._src.across_steps import multi_steps
+import weighted_accum as wa
 
 VOCAB, DIM, MAX_LEN, ROWS = 48, 16, 48, 64
 MICROBATCH_COUNTS = (2, 4, 8, 16)  # K for the gradient table
@@ -116,7 +116,7 @@ def wrappers(inner: optax.GradientTransformation, k: int | None):
   """
   return {
     "optax.MultiSteps": optax.MultiSteps(inner, every_k_schedule=k),
-    "WeightedMultiSteps": multi_steps.WeightedMultiSteps(
+    "WeightedMultiSteps": wa.WeightedMultiSteps(
       inner, every_k_schedule=k, mode="mean"
     ),
   }
@@ -139,7 +139,7 @@ def _weighted_identity():
 @functools.cache
 def _jitted_update(tx):
   """``tx.update`` under ``jit``; only ``WeightedMultiSteps`` gets a weight."""
-  if isinstance(tx, multi_steps.WeightedMultiSteps):
+  if isinstance(tx, wa.WeightedMultiSteps):
     return jax.jit(
       lambda g, s, p, n, last: tx.update(g, s, p, weight=n, finish=last)
     )

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from weighted_accum._src.across_steps.multi_steps_step import (
+from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
 from weighted_accum._src.core import tree_utils

@@ -20,7 +20,7 @@ import optax
 
 from weighted_accum._src.across_steps import held_state
 from weighted_accum._src.across_steps import multi_steps_step as step
-from weighted_accum._src.across_steps.multi_steps_step import (
+from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
 

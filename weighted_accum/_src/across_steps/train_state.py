@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from weighted_accum._src.across_steps.multi_steps_step import (
+from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
 from weighted_accum._src.errors import WeightedAccumulationError

@@ -19,7 +19,7 @@ from jax.typing import ArrayLike
 
 from weighted_accum._src import validation
 from weighted_accum._src.across_steps import held_state
-from weighted_accum._src.across_steps.multi_steps_step import (
+from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
 from weighted_accum._src.core import base
