@@ -32,6 +32,7 @@ def _window(state: Any, what: str, stacked_ok: bool = False) -> AccumState:
   state = validation.instance(
     state, AccumState, what=f"{what}(state)", hint=_STATE_HINT
   )
+  validation.one_device_set([("state.grads", state.grads)], what=what)
   return state if stacked_ok else one_window(state, what)
 
 
@@ -317,6 +318,14 @@ def apply_window(
   """
   validation.transformation(tx, what="apply_window(tx)")
   state = _window(state, "apply_window", stacked_ok=True)
+  validation.one_device_set(
+    [
+      ("state.grads", state.grads),
+      ("params", params),
+      ("opt_state", opt_state),
+    ],
+    what="apply_window",
+  )
   if replicas.is_stacked(state):
     return _apply_stacked(
       tx, state, params, opt_state, next_loss_scale, axis_name

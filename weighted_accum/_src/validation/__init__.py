@@ -55,6 +55,9 @@ from weighted_accum._src.validation.options import traced_flag as traced_flag
 from weighted_accum._src.validation.options import (
   transformation as transformation,
 )
+from weighted_accum._src.validation.placement import (
+  one_device_set as one_device_set,
+)
 from weighted_accum._src.validation.restored import (
   saved_counters as saved_counters,
 )
