@@ -624,3 +624,19 @@ def test_docs_examples_run_and_print_what_they_claim(
     exec(compile(block, f"docs/{page}", "exec"), namespace)  # pylint: disable=exec-used
   want = [e for b in blocks for e in _EXPECTED.findall(b)]
   assert want and capsys.readouterr().out.splitlines() == want
+
+
+@pytest.mark.parametrize("reader", ["has_updated", "window_counters"])
+def test_readers_refuse_optax_multi_steps_state_by_name(reader):
+  """``optax.MultiSteps``' state has no window: the readers name what was
+  passed, what they expect, and how to read optax's own state."""
+  params = {"w": jnp.zeros(2)}
+  state = optax.MultiSteps(optax.sgd(0.1), 2).init(params)
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=rf"{reader}\(state\): expected WeightedMultiStepsState, got "
+    r"MultiStepsState.*optax\.MultiSteps\(\.\.\.\)\.has_updated",
+  ):
+    getattr(wa, reader)(state)
+  with pytest.raises(wa.WeightedAccumulationError, match="got tuple"):
+    getattr(wa, reader)((state,))

@@ -81,3 +81,18 @@ def test_from_buffers_refuses_params_on_two_devices():
       _host(),
       {"issued": 1, "total_weight": 1.0, "loss_scale": 1.0},
     )
+
+
+def test_from_buffers_takes_a_dynamic_loss_scale_as_its_scale():
+  """A ``DynamicLossScale`` as the saved ``loss_scale`` counter is read as
+  its ``scale`` (as ``init`` reads it), stored exactly."""
+  params = _on(None, None)
+  state = wa.from_buffers(
+    params,
+    jax.tree.map(lambda x: 4 * x, _host()),
+    {"issued": 1, "total_weight": 2.0, "loss_scale": wa.DynamicLossScale(4.0)},
+  )
+  assert float(state.loss_scale) == 4.0
+  out, _ = wa.finish_mean(state)  # 4 * params / 4 / 2
+  for k, v in _host().items():
+    np.testing.assert_array_equal(np.asarray(out.grads[k]), v / 2)

@@ -637,6 +637,19 @@ def test_non_scalar_loss_is_refused():
     f(p, batch)
 
 
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_loss_fn_returning_a_dict_is_refused_saying_what_to_return(has_aux):
+  p, batch = _params(), _batch(np.ones(B))
+  f = wa.microbatched_value_and_grad(
+    lambda p, b: {"loss": sum_loss(p, b)[0]}, 4, mode="sum", has_aux=has_aux
+  )
+  want = r"\(\(loss, weight\), aux\)" if has_aux else r"\(loss, weight\)"
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=rf"loss_fn\): it returned dict.*{want}"
+  ):
+    f(p, batch)
+
+
 def test_invalid_weight_from_loss_fn_makes_the_call_invalid():
   p, batch = _params(), _batch(np.ones(B))
   f = jax.jit(

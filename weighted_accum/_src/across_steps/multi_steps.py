@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 import optax
 
+from weighted_accum._src import validation
 from weighted_accum._src.across_steps import multi_steps_step as step
 from weighted_accum._src.across_steps.multi_steps_step import (
   WeightedMultiStepsState,
@@ -47,6 +48,23 @@ def _unwrap(tree: Any) -> Any:
   )
 
 
+def _wrapper_state(state: Any, what: str) -> WeightedMultiStepsState:
+  """``state``, refused by name when it is not this wrapper's state (an
+  ``optax.MultiStepsState`` has no window to read)."""
+  hint = (
+    "Pass the state of wa.WeightedMultiSteps (tx.init / tx.update, or "
+    "nnx.Optimizer(...).opt_state)."
+  )
+  if isinstance(state, optax.MultiStepsState):
+    hint += (
+      " This is optax.MultiSteps' state: read it with "
+      "optax.MultiSteps(...).has_updated(state) and state.mini_step."
+    )
+  return validation.instance(
+    state, WeightedMultiStepsState, what=f"{what}(state)", hint=hint
+  )
+
+
 def has_updated(state: WeightedMultiStepsState) -> jax.Array:
   """Whether the last ``update`` closed a window and applied the inner update.
 
@@ -73,6 +91,7 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> bool(wa.has_updated(state))
     True
   """
+  state = _wrapper_state(state, "has_updated")
   return jnp.asarray(_unwrap(state.updated))
 
 
@@ -104,6 +123,7 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
     >>> int(c['mini_step']), int(c['issued']), c['total_weight']
     (1, 1, 7.0)
   """
+  state = _wrapper_state(state, "window_counters")
   win = _unwrap(state.window)
   return dict(
     mini_step=_unwrap(state.mini_step),
