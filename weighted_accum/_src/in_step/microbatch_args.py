@@ -158,14 +158,27 @@ def differentiable(x: Any) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _python_float(x: Any) -> bool:
+  return isinstance(x, float) and not isinstance(x, np.generic)
+
+
 def _diff(what: str, n: int, x: Any) -> Diff:
+  """The differentiated leaves of argument ``n``: its floating arrays; in an
+  argument that has none, its Python floats, as ``jax.grad`` takes them
+  (each a weakly typed float32 scalar: ``jax.grad(f)(1.0)``). Where arrays
+  are present Python floats stay fixed (an Equinox module's ``p: float``,
+  as ``eqx.filter_value_and_grad`` holds it)."""
   leaves, treedef = jax.tree.flatten(x)
   mask = tuple(differentiable(v) for v in leaves)
   if not any(mask):
+    mask = tuple(_python_float(v) for v in leaves)
+    leaves = [jnp.asarray(v) if m else v for v, m in zip(leaves, mask)]
+  if not any(mask):
     raise WeightedAccumulationError(
-      f"{what}: argument {n} (argnums) has no floating array leaf to "
-      f"differentiate (got {type(x).__name__}). Pass the params as arrays, "
-      "e.g. jnp.asarray(1.0) for a scalar."
+      f"{what}: argument {n} (argnums) has no floating leaf to "
+      f"differentiate (got {type(x).__name__}; ints, bools and strings are "
+      "not differentiable). Pass the params as floating arrays or Python "
+      "floats, e.g. jnp.asarray(1.0) for a scalar."
     )
   return Diff(treedef, mask, tuple(leaves))
 
