@@ -147,6 +147,7 @@ class Call(NamedTuple):
   k: int
   batch: tuple[Batch, ...]
   diffs: tuple[Diff, ...]
+  rows: int  # the split batch's rows along its batch axis
 
 
 def differentiable(x: Any) -> bool:
@@ -292,7 +293,30 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
     for path, key in tree_utils.flat(args[n]):
       validation.random_key(key, what=f"{what}: argument {n} {path}")
   diffs = tuple(_diff(what, n, args[n]) for n in roles.argnums)
-  return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs)
+  rows = sizes[0][3] if sizes else 0
+  return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs, rows)
+
+
+def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
+  """``(name, value, how to split it)`` of the arguments passed unchanged
+  to every microbatch (neither differentiated, split, threaded nor a
+  key)."""
+  roled = set(roles.argnums + roles.batch_argnums)
+  roled |= set(roles.state_argnums + roles.key_argnums)
+  out = [
+    (f"argument {n}", a, f"batch_argnums={(*roles.batch_argnums, n)}")
+    for n, a in enumerate(call.args)
+    if n not in roled
+  ]
+  return out + [
+    (
+      f"keyword argument {k!r}",
+      v,
+      f"batch_argnames={(*roles.batch_argnames, k)}",
+    )
+    for k, v in call.kwargs.items()
+    if k not in roles.batch_argnames
+  ]
 
 
 # ----------------------------------------------------- one microbatch --

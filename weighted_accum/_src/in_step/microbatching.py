@@ -103,7 +103,17 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
       cfg, *margs.microbatch(call, cfg.roles, 0, values, threaded)
     )
 
-  ev = jax.eval_shape(first)
+  try:
+    ev = jax.eval_shape(first)
+  except (TypeError, ValueError) as e:
+    if isinstance(e, WeightedAccumulationError):
+      raise
+    err = validation.unsplit_batch(
+      margs.unchanged(call, cfg.roles), call.rows, what=_WHAT
+    )
+    if err is None:
+      raise
+    raise err from e
   like = lambda t: [
     (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(t)
   ]

@@ -30,6 +30,7 @@ from weighted_accum._src.validation.calls import (
 )
 from weighted_accum._src.validation.calls import random_key as random_key
 from weighted_accum._src.validation.calls import split as split
+from weighted_accum._src.validation.calls import unsplit_batch as unsplit_batch
 from weighted_accum._src.validation.options import argnums as argnums
 from weighted_accum._src.validation.options import axis_names as axis_names
 from weighted_accum._src.validation.options import bool_scalar as bool_scalar
