@@ -276,13 +276,39 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   params = _params(cfg, args)
   specs = _param_specs(cfg, params, is_explicit)
   leaves = tuple(
-    layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
+    _leaf(spec, mesh, is_explicit, path, x, axes)
     for spec, (path, x) in zip(specs, tree_utils.flat(params))
   )
   lay = Layout(axes, n, cfg.fsdp, leaves)
   roles = cfg.roles._replace(num_microbatches=k, microbatch_size=None)
   inner = cfg._replace(axis_name=axes, data_axes=None, spmd=lay, roles=roles)
   return _Plan(mesh, is_explicit, lay, inner)
+
+
+def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
+  """One param's layout, its spec checked against the mesh (the axes it
+  names, the dimensions they divide) where it was given."""
+  where = "its type" if is_explicit else "param_specs"
+  if spec is not None:
+    validation.spec_on_mesh(
+      spec,
+      mesh,
+      jnp.shape(x),
+      what=f"{_WHAT}(data_axes={axes}): param {path}",
+      hint=f"The spec is from {where}.",
+    )
+  e = layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
+  others = set().union(*map(layout_.names, spec)) - set(axes) if spec else ()
+  if is_explicit and e.scatter and others:
+    raise WeightedAccumulationError(
+      f"{_WHAT}(data_axes={axes}): param {path} is typed {spec} on an "
+      f"Explicit mesh: sharded over the data axes (FSDP) and over "
+      f"{tuple(sorted(others))} too. JAX's reduce-scatter over the data "
+      "axes cannot keep another Explicit axis on the gradient. Use an Auto "
+      "mesh for it (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))) "
+      "with param_specs=..., or shard this param over the data axes only."
+    )
+  return e
 
 
 def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:

@@ -50,6 +50,7 @@ from weighted_accum._src.validation.options import (
 from weighted_accum._src.validation.options import (
   partition_specs as partition_specs,
 )
+from weighted_accum._src.validation.options import spec_on_mesh as spec_on_mesh
 from weighted_accum._src.validation.options import static_flag as static_flag
 from weighted_accum._src.validation.options import static_int as static_int
 from weighted_accum._src.validation.options import traced_flag as traced_flag
