@@ -568,10 +568,21 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
   ):
-    if cfg.data_axes is not None:
+    typed = spmd.typed_data_axes(cfg, args, kw)
+    if cfg.data_axes is not None or typed is not None:
       ls = call_scale(cfg, loss_scale)
       call = (args, kw, num_real_microbatches, ls, normalizers)
-      return spmd.value_and_grad(cfg, _step, call)
+      if typed is None:
+        return spmd.value_and_grad(cfg, _step, call)
+      axes, n = typed  # an Explicit batch: reduce once, not K times
+      try:
+        loss, out = spmd.value_and_grad(
+          cfg._replace(data_axes=axes), _step, call
+        )
+      except Exception:  # pylint: disable=broad-except
+        pass  # e.g. a loss_fn that names a data axis: run it as written
+      else:  # issued counted as without data_axes: K, not N x K
+        return loss, out.replace(issued=out.issued // n)
     return _step(cfg, args, kw, num_real_microbatches, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
