@@ -354,3 +354,60 @@ def test_peek_mean_refuses_a_stacked_window_and_reads_it_per_block():
   xt = np.asarray(x, np.float64)
   ref = 2 * xt @ (np.asarray(m, np.float64) * (w @ xt)) / m.sum()
   np.testing.assert_allclose(read(state), ref, rtol=1e-5)
+
+
+class _Compiles:
+  """Counts XLA backend compilations (jax.monitoring's compile event)."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __enter__(self):
+    self.n = 0
+    jax.monitoring.register_event_duration_secs_listener(self._heard)
+    return self
+
+  def _heard(self, event, duration, **_):
+    del duration
+    self.n += event == self.EVENT
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._heard)
+
+
+@pytest.mark.parametrize("name", ["auto", "explicit"])
+def test_a_second_eager_call_compiles_nothing(name):
+  """An eager call runs one compiled program kept by the function (an eager
+  shard_map compiled each of its hundreds of operations, every call): the
+  second call with new values compiles nothing and is exact; a new batch
+  shape compiles again."""
+  mesh = MESHES[name]()
+  w, x, y, m = _data()
+  f = wa.microbatched_value_and_grad(
+    lambda p, b: (
+      jnp.sum(b["m"] * (p @ b["x"] - b["y"]) ** 2),
+      jnp.sum(b["m"]),
+    ),
+    K,
+    mode="sum",
+    data_axes="data",
+    in_axes=-1,
+  )
+
+  def batch(x, y, m):
+    return {
+      "x": mesh.put(x, P(None, "data")),
+      **mesh.put({"y": y, "m": m}, P("data")),
+    }
+
+  with mesh.context():
+    p = mesh.put(jnp.asarray(w), P())
+    f(p, batch(x, y, m))
+    x2 = x[::-1].copy()
+    with _Compiles() as c:
+      _, out = f(p, batch(x2, y, m))
+      jax.block_until_ready(out)
+    assert c.n == 0
+    np.testing.assert_allclose(out.grads, _ref_grad(w, x2, y, m), rtol=1e-5)
+    with _Compiles() as c:
+      jax.block_until_ready(f(p, batch(x[:, :16], y[:16], m[:16])))
+    assert c.n > 0

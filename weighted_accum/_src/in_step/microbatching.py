@@ -564,6 +564,7 @@ def microbatched_value_and_grad(
 
 def _functions(cfg: _Config) -> Callable[..., Any]:
   """``f`` and its ``.accumulate`` for one configuration."""
+  eager: dict = {}  # data_axes: the compiled programs of eager calls
 
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
@@ -573,12 +574,11 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
       ls = call_scale(cfg, loss_scale)
       call = (args, kw, num_real_microbatches, ls, normalizers)
       if typed is None:
-        return spmd.value_and_grad(cfg, _step, call)
+        return spmd.value_and_grad(cfg, _step, call, eager)
       axes, n = typed  # an Explicit batch: reduce once, not K times
       try:
-        loss, out = spmd.value_and_grad(
-          cfg._replace(data_axes=axes), _step, call
-        )
+        typed_cfg = cfg._replace(data_axes=axes)
+        loss, out = spmd.value_and_grad(typed_cfg, _step, call, eager)
       except Exception:  # pylint: disable=broad-except
         pass  # e.g. a loss_fn that names a data axis: run it as written
       else:  # issued counted as without data_axes: K, not N x K

@@ -504,11 +504,44 @@ def aux_per_replica(aux: Any, axes: Axes) -> Any:
   return jax.tree.map(lambda a: a[:, None], tree_utils.to_varying(aux, axes))
 
 
-def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
+_EAGER_ENTRIES = 16  # compiled eager calls kept per function
+
+
+def _eager_key(sp: _Split, dyn: list, pl: _Plan) -> Any:
+  """What an eager call's compiled program depends on beyond its array
+  values: the call's structure, its other leaves (static), each array's
+  shape, dtype and sharding, and the layout. ``None`` when a static leaf
+  is not hashable (that call is not cached)."""
+  dynamic = set(sp.dynamic)
+  static = tuple(
+    (type(x), x) for i, x in enumerate(sp.leaves) if i not in dynamic
+  )
+  avals = tuple(
+    (np.shape(x), str(x.dtype), getattr(x, "sharding", None)) for x in dyn
+  )
+  key = (sp.treedef, static, avals, tuple(sp.specs), pl.mesh, pl.is_explicit)
+  key += (pl.lay, pl.inner.roles, pl.inner.data_axes, pl.inner.axis_name)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _concrete(tree: Any) -> bool:
+  return not any(tree_utils.is_traced(x) for x in jax.tree.leaves(tree))
+
+
+def value_and_grad(
+  cfg: Any, step: Callable[..., Any], call: tuple, cache: dict | None = None
+) -> Any:
   """``f(*args, **kwargs)`` with ``data_axes``: ``step`` (the ``axis_name``
   path) inside a partial-manual ``shard_map`` over the data axes. ``call``
   is ``(args, kwargs, num_real, loss_scale, normalizers)``, the loss scale
-  already validated."""
+  already validated. An eager call runs one ``jax.jit`` program, kept in
+  ``cache`` (the function's own) so the next eager call with the same
+  structure, shapes and shardings compiles nothing (an eager ``shard_map``
+  would compile each of its operations, every call)."""
   args, kwargs, num_real, scale, normalizers = call
   pl = plan_call(cfg, args, kwargs)
   k = pl.inner.roles.num_microbatches
@@ -530,14 +563,27 @@ def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
       return (loss, aux_per_replica(aux, axes)), out
     return res
 
-  res = jax.shard_map(
-    body,
-    mesh=pl.mesh,
-    in_specs=(sp.specs, P(), P()),
-    out_specs=_out_specs(cfg, args, pl.lay),
-    axis_names=set(axes),
-  )([sp.leaves[i] for i in sp.dynamic], n_real, ls)
-  return _placed(res, pl)
+  def run(dyn, n_real, ls):
+    res = jax.shard_map(
+      body,
+      mesh=pl.mesh,
+      in_specs=(sp.specs, P(), P()),
+      out_specs=_out_specs(cfg, args, pl.lay),
+      axis_names=set(axes),
+    )(dyn, n_real, ls)
+    return _placed(res, pl)
+
+  dyn = [sp.leaves[i] for i in sp.dynamic]
+  key = None
+  if cache is not None and _concrete((dyn, n_real, ls)):
+    key = _eager_key(sp, dyn, pl)
+  if key is None:
+    return run(dyn, n_real, ls)
+  if key not in cache:
+    if len(cache) >= _EAGER_ENTRIES:
+      cache.pop(next(iter(cache)))
+    cache[key] = jax.jit(run)
+  return cache[key](dyn, n_real, ls)
 
 
 def accumulate(
