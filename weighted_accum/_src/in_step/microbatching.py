@@ -459,7 +459,10 @@ def microbatched_value_and_grad(
       be its own). Random keys (``key_argnums``) are also folded with the
       replica's index, so replicas draw different masks. Arguments that are
       not arrays (strings, functions) reach ``loss_fn`` unchanged. Not with
-      ``axis_name``.
+      ``axis_name``. Without it, a batch typed on an ``Explicit`` mesh
+      names its data axes itself: they are used where that gives the same
+      result (no aux, threaded state or keys; ``num_microbatches``; params
+      not sharded over them). An eager call compiles once per structure.
     param_specs: under ``Auto`` axes with ``data_axes``, the params'
       ``PartitionSpec`` tree (``None`` leaves: replicated), which the types
       do not carry there: params sharded over a data axis (FSDP) get

@@ -176,23 +176,6 @@ def options(kw: dict) -> dict:
 # ----------------------------------------- data axes read from the types --
 
 
-def _typed_axes(x: Any, axis: int) -> tuple[Any, Axes] | None:
-  """The mesh and the Explicit axes sharding ``x``'s dimension ``axis``
-  (from its type), or ``None``."""
-  try:
-    sharding = jax.typeof(x).sharding
-  except (AttributeError, TypeError):
-    return None
-  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-  if mesh is None or spec is None or not getattr(mesh, "axis_names", ()):
-    return None
-  on = layout_.names(tuple(spec)[axis] if axis < len(spec) else None)
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
-  if not on or any(kinds[a] != jax.sharding.AxisType.Explicit for a in on):
-    return None
-  return mesh, on
-
-
 def typed_data_axes(
   cfg: Any, args: tuple, kwargs: dict
 ) -> tuple[Axes, int] | None:
@@ -217,7 +200,9 @@ def typed_data_axes(
     batch = margs.batch_leaves(_WHAT, roles, args, kwargs)
   except WeightedAccumulationError:
     return None  # the call as written reports it
-  typed = {_typed_axes(x, a) for _, x, a, _ in batch} if batch else {None}
+  typed = (
+    {layout_.typed_axes(x, a) for _, x, a, _ in batch} if batch else {None}
+  )
   if len(typed) != 1 or None in typed:
     return None
   mesh, axes = typed.pop()
