@@ -411,3 +411,18 @@ def test_a_second_eager_call_compiles_nothing(name):
     with _Compiles() as c:
       jax.block_until_ready(f(p, batch(x[:, :16], y[:16], m[:16])))
     assert c.n > 0
+    # f.accumulate into a stacked window, eagerly: once the window is as
+    # a call returns it (dist.init's may be placed otherwise), the same.
+    state = dist.init(p, "data")
+    for rows in (x, x2):
+      _, state = f.accumulate(state, p, batch(rows, y, m))
+    with _Compiles() as c:
+      _, state = f.accumulate(state, p, batch(x, y, m))
+      jax.block_until_ready(state)
+    assert c.n == 0
+    tx = optax.sgd(1.0)
+    new, *_ = wa.apply_window(tx, state, p, tx.init(p), axis_name="data")
+  both = np.concatenate([x, x2, x], axis=1), np.tile(y, 3), np.tile(m, 3)
+  np.testing.assert_allclose(
+    w - np.asarray(new), _ref_grad(w, *both), rtol=1e-5
+  )

@@ -591,7 +591,7 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
   def accumulate(state, *args, num_real_microbatches=None, **kw):
     if cfg.data_axes is not None:
       return spmd.accumulate(
-        cfg, _accumulate, state, (args, kw, num_real_microbatches)
+        cfg, _accumulate, state, (args, kw, num_real_microbatches), eager
       )
     return _accumulate(cfg, state, args, kw, num_real_microbatches)
 

@@ -502,7 +502,12 @@ def _eager_key(sp: _Split, dyn: list, pl: _Plan) -> Any:
     (type(x), x) for i, x in enumerate(sp.leaves) if i not in dynamic
   )
   avals = tuple(
-    (np.shape(x), str(x.dtype), getattr(x, "sharding", None)) for x in dyn
+    (
+      np.shape(x),
+      str(getattr(x, "dtype", type(x))),
+      getattr(x, "sharding", None),
+    )
+    for x in dyn
   )
   key = (sp.treedef, static, avals, tuple(sp.specs), pl.mesh, pl.is_explicit)
   key += (pl.lay, pl.inner.roles, pl.inner.data_axes, pl.inner.axis_name)
@@ -559,25 +564,40 @@ def value_and_grad(
     return _placed(res, pl)
 
   dyn = [sp.leaves[i] for i in sp.dynamic]
+  return _run_cached(cache, run, sp, pl, dyn, n_real, ls)
+
+
+def _run_cached(cache, run, sp, pl, dyn, *rest):
+  """``run(dyn, *rest)``: eagerly, through the ``jax.jit`` program kept in
+  ``cache`` for this call's key (compiled on first use); under a trace,
+  or without a key, as it is. ``rest``'s arrays (a window, the scale) key
+  the program by their structure, shapes, dtypes and shardings."""
   key = None
-  if cache is not None and _concrete((dyn, n_real, ls)):
-    key = _eager_key(sp, dyn, pl)
+  if cache is not None and _concrete((dyn, rest)):
+    key = _eager_key(sp, dyn + jax.tree.leaves(rest), pl)
   if key is None:
-    return run(dyn, n_real, ls)
+    return run(dyn, *rest)
+  key += (jax.tree.structure(rest),)
   if key not in cache:
     if len(cache) >= _EAGER_ENTRIES:
       cache.pop(next(iter(cache)))
     cache[key] = jax.jit(run)
-  return cache[key](dyn, n_real, ls)
+  return cache[key](dyn, *rest)
 
 
 def accumulate(
-  cfg: Any, step: Callable[..., Any], state: Any, call: tuple
+  cfg: Any,
+  step: Callable[..., Any],
+  state: Any,
+  call: tuple,
+  cache: dict | None = None,
 ) -> Any:
   """``f.accumulate(state, *args, **kwargs)`` with ``data_axes``: ``step``
   on each replica's block of a stacked per-replica window inside a
   partial-manual ``shard_map``; no collective. The loss sum and the weight
-  come back per replica, ``[N]``. ``call`` is ``(args, kwargs, num_real)``."""
+  come back per replica, ``[N]``. ``call`` is ``(args, kwargs, num_real)``;
+  an eager call is compiled once per key in ``cache`` (as
+  :func:`value_and_grad`)."""
   args, kwargs, num_real = call
   what = f"{_WHAT}(...).accumulate(state)"
   state = validation.instance(
@@ -622,10 +642,15 @@ def accumulate(
 
   specs = replicas.specs(state, lay.axes)
   value_specs = ((one, one), P(None, one[0])) if cfg.has_aux else (one, one)
-  return jax.shard_map(
-    body,
-    mesh=pl.mesh,
-    in_specs=(specs, sp.specs, P()),
-    out_specs=(value_specs, specs),
-    axis_names=set(lay.axes),
-  )(state, [sp.leaves[i] for i in sp.dynamic], n_real)
+
+  def run(dyn, state, n_real):
+    return jax.shard_map(
+      body,
+      mesh=pl.mesh,
+      in_specs=(specs, sp.specs, P()),
+      out_specs=(value_specs, specs),
+      axis_names=set(lay.axes),
+    )(state, dyn, n_real)
+
+  dyn = [sp.leaves[i] for i in sp.dynamic]
+  return _run_cached(cache, run, sp, pl, dyn, state, n_real)
