@@ -426,3 +426,23 @@ def test_a_second_eager_call_compiles_nothing(name):
   np.testing.assert_allclose(
     w - np.asarray(new), _ref_grad(w, *both), rtol=1e-5
   )
+
+
+def test_a_python_float_param_with_data_axes():
+  """A Python float as the differentiated argument (as jax.grad takes it),
+  eagerly and under jit, with data_axes: the full-batch gradient."""
+  mesh = MESHES["auto"]()
+  x = np.arange(ROWS, dtype=np.float32) / ROWS
+  m = (np.arange(ROWS) % 3 != 0).astype(np.float32)
+  f = wa.microbatched_value_and_grad(
+    lambda w, x, m: (jnp.sum(m * (x * w) ** 2), jnp.sum(m)),
+    K,
+    mode="sum",
+    batch_argnums=(1, 2),
+    data_axes="data",
+  )
+  ref = 2 * 1.5 * float(np.sum(m * x.astype(np.float64) ** 2) / m.sum())
+  xs, ms = mesh.put(x, P("data")), mesh.put(m, P("data"))
+  for g in (f, jax.jit(f)):
+    _, out = g(1.5, xs, ms)
+    np.testing.assert_allclose(float(out.grads), ref, rtol=1e-6)

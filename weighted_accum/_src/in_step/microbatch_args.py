@@ -163,6 +163,19 @@ def _python_float(x: Any) -> bool:
   return isinstance(x, float) and not isinstance(x, np.generic)
 
 
+def float_params(roles: Roles, args: tuple) -> tuple:
+  """``args`` with each differentiated argument that has no floating array
+  holding its Python floats as float32 scalars (see :func:`_diff`), so
+  that every path (with ``data_axes`` too) sees them as arrays."""
+  out = list(args)
+  for n in roles.argnums:
+    if n < len(out) and not any(map(differentiable, jax.tree.leaves(out[n]))):
+      out[n] = jax.tree.map(
+        lambda v: jnp.asarray(v) if _python_float(v) else v, out[n]
+      )
+  return tuple(out)
+
+
 def _diff(what: str, n: int, x: Any) -> Diff:
   """The differentiated leaves of argument ``n``: its floating arrays; in an
   argument that has none, its Python floats, as ``jax.grad`` takes them

@@ -572,6 +572,7 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
   ):
+    args = margs.float_params(cfg.roles, args)
     typed = spmd.typed_data_axes(cfg, args, kw)
     if cfg.data_axes is not None or typed is not None:
       ls = call_scale(cfg, loss_scale)
@@ -589,6 +590,7 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
     return _step(cfg, args, kw, num_real_microbatches, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
+    args = margs.float_params(cfg.roles, args)
     if cfg.data_axes is not None:
       return spmd.accumulate(
         cfg, _accumulate, state, (args, kw, num_real_microbatches), eager
