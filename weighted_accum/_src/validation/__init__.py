@@ -1,7 +1,8 @@
 """Every check of a value a caller hands in: one function per kind of input,
 each returning the value to store (one package: ``values``, ``options``,
 ``calls`` (how an in-step microbatched function is configured and called),
-``restored`` counters and the ``scaler``'s configuration; import it as
+``restored`` counters, the ``scaler``'s configuration and the
+``placement`` of the caller's arrays on devices; import it as
 ``validation`` and call ``validation.weight(...)``).
 
 Every public entry point calls these before any kernel sees the value. The
