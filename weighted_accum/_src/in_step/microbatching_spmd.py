@@ -585,6 +585,25 @@ def _run_cached(cache, run, sp, pl, dyn, *rest):
   return cache[key](dyn, *rest)
 
 
+def _check_window(state: Any, lay: Layout, what: str) -> None:
+  """The window ``f.accumulate`` adds to with ``data_axes``: stacked per
+  replica, for these replicas, FSDP gradients kept full-size."""
+  if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
+    raise WeightedAccumulationError(
+      f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
+      "across calls would not be per replica; use fsdp='gather_once' "
+      "(full-size per-replica sums, one reduce-scatter at the close)."
+    )
+  if not replicas.is_stacked(state):
+    raise WeightedAccumulationError(
+      f"{what}: with data_axes the window is per replica, stacked over "
+      f"the {lay.replicas} replicas: start it with "
+      f"weighted_accum.distributed.init(params, {lay.axes!r}) outside "
+      "shard_map (a global wa.init window would need a reduction per call)."
+    )
+  replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
+
+
 def accumulate(
   cfg: Any,
   step: Callable[..., Any],
@@ -609,20 +628,7 @@ def accumulate(
   )
   pl = plan_call(cfg, args, kwargs)
   lay = pl.lay
-  if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
-    raise WeightedAccumulationError(
-      f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
-      "across calls would not be per replica; use fsdp='gather_once' "
-      "(full-size per-replica sums, one reduce-scatter at the close)."
-    )
-  if not replicas.is_stacked(state):
-    raise WeightedAccumulationError(
-      f"{what}: with data_axes the window is per replica, stacked over "
-      f"the {lay.replicas} replicas: start it with "
-      f"weighted_accum.distributed.init(params, {lay.axes!r}) outside "
-      "shard_map (a global wa.init window would need a reduction per call)."
-    )
-  replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
+  _check_window(state, lay, what)
   n_real = validation.num_real(
     num_real, pl.inner.roles.num_microbatches, what=_WHAT
   )
