@@ -658,3 +658,58 @@ def test_docs_examples_run_and_print_what_they_claim(
     exec(compile(block, f"docs/{page}", "exec"), namespace)  # pylint: disable=exec-used
   want = [e for b in blocks for e in _EXPECTED.findall(b)]
   assert want and capsys.readouterr().out.splitlines() == want
+
+
+@pytest.mark.parametrize("reader", ["has_updated", "window_counters"])
+def test_readers_refuse_optax_multi_steps_state_by_name(reader):
+  """``optax.MultiSteps``' state has no window: the readers name what was
+  passed, what they expect, and how to read optax's own state."""
+  params = {"w": jnp.zeros(2)}
+  state = optax.MultiSteps(optax.sgd(0.1), 2).init(params)
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=rf"{reader}\(state\): expected WeightedMultiStepsState, got "
+    r"MultiStepsState.*optax\.MultiSteps\(\.\.\.\)\.has_updated",
+  ):
+    getattr(wa, reader)(state)
+  with pytest.raises(wa.WeightedAccumulationError, match="got tuple"):
+    getattr(wa, reader)((state,))
+
+
+def _scaled_tx(scale):
+  return wa.WeightedMultiSteps(
+    optax.sgd(0.5),
+    2,
+    mode="sum",
+    loss_scale=wa.DynamicLossScale(scale, growth_interval=1),
+  )
+
+
+@pytest.mark.parametrize("build", ["jit", "eval_shape", "jit_traced_scale"])
+def test_dynamic_loss_scale_built_under_a_transformation(build):
+  """The create-train-state idiom: the scaler (its fields traced) is built
+  inside jax.jit / jax.eval_shape with the wrapper and its state. The state
+  is the one built eagerly, and two windows then run identically; a traced
+  invalid scale makes the window unusable, never a silent scale."""
+  params = {"w": jnp.arange(3.0)}
+  eager_tx = _scaled_tx(2.0**4)
+  want = eager_tx.init(params)
+  if build == "eval_shape":
+    got = jax.eval_shape(lambda p: _scaled_tx(2.0**4).init(p), params)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    return
+  if build == "jit":
+    got = jax.jit(lambda p: _scaled_tx(2.0**4).init(p))(params)
+  else:
+    got = jax.jit(lambda p, s: _scaled_tx(s).init(p))(params, 2.0**4)
+  _assert_close(got, want, rtol=0, atol=0)
+  g = {"w": jnp.asarray([2.0**4, -(2.0**5), 2.0**3])}  # scaled grads
+  for weight in (1.0, 3.0, 2.0, 2.0):
+    _, got = eager_tx.update(g, got, params, weight=weight)
+    _, want = eager_tx.update(g, want, params, weight=weight)
+  _assert_close(got, want, rtol=0, atol=0)
+  assert float(wa.window_counters(got)["loss_scale"]) == 2.0**6
+  bad = jax.jit(lambda p, s: _scaled_tx(s).init(p))(params, -1.0)
+  assert not np.isfinite(float(wa.window_counters(bad)["loss_scale"]))

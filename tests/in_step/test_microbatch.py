@@ -206,6 +206,37 @@ def test_optax_accumulator_aggregate_per_example():
   assert float(weight) == float(batch["mask"].sum())
 
 
+@pytest.mark.parametrize("fn", ["microbatch", "micro_vmap"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_optax_accumulator_rejection_never_reads_as_weight_0(fn, size):
+  """With ``microbatch_size``, a microbatch (or an example) of negative
+  weight is rejected, and the result says so (NaN loss, weight and grads,
+  which ``optax.apply_if_finite`` skips); the same microbatch of weight 0
+  adds nothing and the result is finite."""
+  vg = jax.value_and_grad(
+    lambda w, x, m: (jnp.sum(m * (x * w) ** 2), jnp.sum(m)), has_aux=True
+  )
+  kw = dict(microbatch_size=size, accumulator=wa.optax_accumulator("sum"))
+  if fn == "microbatch":
+    f = optax.microbatching.microbatch(vg, argnums=(1, 2), **kw)
+  else:
+    f = optax.microbatching.micro_vmap(vg, in_axes=(None, 0, 0), **kw)
+  x = jnp.arange(8.0)
+  # Column-major split: microbatch {2, 6} (size 2) or {0, 2, 4, 6} (size
+  # 4) has weight -3 or -1 (rejected); with -1 at row 6 instead it has
+  # weight 0 or 2. micro_vmap tallies each example: -4 is rejected there.
+  bad = jnp.asarray([1.0, 1, 1, 1, 1, 1, -4, 0])
+  if fn == "microbatch":
+    zero = jnp.asarray([1.0, 1, 1, 1, 1, 1, -1, 0])
+  else:
+    zero = jnp.asarray([1.0, 1, 1, 1, 1, 1, 0, 0])
+  (loss, weight), grads = jax.jit(f)(1.0, x, bad)
+  assert np.isnan(float(weight)) and np.isnan(float(loss))
+  assert np.isnan(float(grads))
+  (loss, weight), grads = jax.jit(f)(1.0, x, zero)
+  assert np.isfinite([float(loss), float(weight), float(grads)]).all()
+
+
 # ------------------------------------------- 2. aux order, early stopping --
 
 
@@ -634,6 +665,19 @@ def test_non_scalar_loss_is_refused():
     lambda p, b: (_per_item(p, b), b["mask"].sum()), 4, mode="sum"
   )
   with pytest.raises(wa.WeightedAccumulationError, match="floating scalar"):
+    f(p, batch)
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_loss_fn_returning_a_dict_is_refused_saying_what_to_return(has_aux):
+  p, batch = _params(), _batch(np.ones(B))
+  f = wa.microbatched_value_and_grad(
+    lambda p, b: {"loss": sum_loss(p, b)[0]}, 4, mode="sum", has_aux=has_aux
+  )
+  want = r"\(\(loss, weight\), aux\)" if has_aux else r"\(loss, weight\)"
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=rf"loss_fn\): it returned dict.*{want}"
+  ):
     f(p, batch)
 
 

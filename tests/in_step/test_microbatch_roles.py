@@ -582,5 +582,90 @@ def test_call_errors_name_the_argument():
   with pytest.raises(Error, match="microbatch_size=5"):
     size(p, b)
   f = wa.microbatched_value_and_grad(sum_loss, 4, mode="sum")
-  with pytest.raises(Error, match="no floating array leaf"):
-    f(1.0, b)
+  with pytest.raises(Error, match="no floating leaf.*got int"):
+    f(1, b)  # as jax.grad(f)(1): an int is not differentiable
+
+
+def _scalar_loss(w, x, m):
+  return jnp.sum(m * (x * w) ** 2), jnp.sum(m)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_python_float_param_is_differentiated_as_jax_grad_does(k):
+  """``f(1.5, ...)``: jax.grad and optax.microbatching take a Python float
+  as the differentiated argument; so does this function (a float32
+  scalar). References: jax.grad of the full batch's weighted mean, and
+  optax's microbatch of the same split with the library's accumulator."""
+  x = jnp.arange(8.0)
+  m = jnp.asarray([1.0, 1, 1, 0, 1, 1, 0, 1])
+  ref = jax.grad(lambda w: _scalar_loss(w, x, m)[0] / m.sum())(1.5)
+  f = wa.microbatched_value_and_grad(
+    _scalar_loss, k, mode="sum", batch_argnums=(1, 2)
+  )
+  for g in (f, jax.jit(f)):
+    _, out = g(1.5, x, m)
+    assert out.grads.dtype == jnp.float32 and out.grads.shape == ()
+    np.testing.assert_allclose(float(out.grads), float(ref), rtol=1e-6)
+  (_, _), ograds = optax.microbatching.microbatch(
+    jax.value_and_grad(_scalar_loss, has_aux=True),
+    argnums=(1, 2),
+    microbatch_size=8 // k,
+    accumulator=wa.optax_accumulator("sum"),
+  )(1.5, x, m)
+  np.testing.assert_allclose(float(ograds), float(ref), rtol=1e-6)
+
+
+def test_python_floats_beside_arrays_stay_fixed():
+  """Where an argument has floating arrays, its Python floats are held
+  fixed (as eqx.filter_value_and_grad holds an Equinox module's ``p:
+  float``): no gradient leaf for them."""
+  x = jnp.arange(8.0)
+  m = jnp.ones(8)
+  f = wa.microbatched_value_and_grad(
+    lambda p, x, m: _scalar_loss(p["w"] * p["c"], x, m),
+    4,
+    mode="sum",
+    batch_argnums=(1, 2),
+  )
+  _, out = f({"w": jnp.asarray(1.5), "c": 2.0}, x, m)
+  assert out.grads["c"] is None
+  ref = jax.grad(lambda w: _scalar_loss(w * 2.0, x, m)[0] / 8)(1.5)
+  np.testing.assert_allclose(float(out.grads["w"]), float(ref), rtol=1e-6)
+
+
+def _two_batch_args(p, x, y):
+  return jnp.sum(x * p["w"] * y), jnp.float32(x.shape[0])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_forgotten_batch_argument_is_named_with_batch_argnums(jit):
+  """``y`` is part of the batch but batch_argnums names ``x`` only: loss_fn
+  meets 8 rows of ``x`` and 16 of ``y``. The error names the argument and
+  the batch_argnums that splits it; with it the result is the full-batch
+  gradient."""
+  p = {"w": jnp.ones(4)}
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), "f4")
+  y = jnp.asarray(np.random.default_rng(1).standard_normal((16, 4)), "f4")
+  f = wa.microbatched_value_and_grad(_two_batch_args, 2, mode="sum")
+  f = jax.jit(f) if jit else f
+  with pytest.raises(
+    Error,
+    match=r"argument 2 is passed unchanged.*16 rows.*batch_argnums=\(1, 2\)",
+  ) as info:
+    f(p, x, y)
+  assert isinstance(info.value.__cause__, TypeError)  # loss_fn's own error
+  good = wa.microbatched_value_and_grad(
+    _two_batch_args, 2, mode="sum", batch_argnums=(1, 2)
+  )
+  _, out = good(p, x, y)
+  ref = jax.grad(lambda p: _two_batch_args(p, x, y)[0] / 16)(p)
+  np.testing.assert_allclose(out.grads["w"], ref["w"], rtol=1e-5)
+
+
+def test_a_failing_loss_fn_without_a_batch_sized_argument_keeps_its_error():
+  def bad(p, x, table):
+    return jnp.sum(x @ table * p["w"]), jnp.float32(1.0)  # (8,4)@(3,4)
+
+  f = wa.microbatched_value_and_grad(bad, 2, mode="sum")
+  with pytest.raises(TypeError, match="dot_general"):
+    f({"w": jnp.ones(4)}, jnp.ones((16, 4)), jnp.ones((3, 4)))

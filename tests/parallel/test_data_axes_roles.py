@@ -371,3 +371,95 @@ def test_peek_mean_refuses_a_stacked_window_and_reads_it_per_block():
   xt = np.asarray(x, np.float64)
   ref = 2 * xt @ (np.asarray(m, np.float64) * (w @ xt)) / m.sum()
   np.testing.assert_allclose(read(state), ref, rtol=1e-5)
+
+
+class _Compiles:
+  """Counts XLA backend compilations (jax.monitoring's compile event)."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __enter__(self):
+    self.n = 0
+    jax.monitoring.register_event_duration_secs_listener(self._heard)
+    return self
+
+  def _heard(self, event, duration, **_):
+    del duration
+    self.n += event == self.EVENT
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._heard)
+
+
+@pytest.mark.parametrize("name", ["auto", "explicit"])
+def test_a_second_eager_call_compiles_nothing(name):
+  """An eager call runs one compiled program kept by the function (an eager
+  shard_map compiled each of its hundreds of operations, every call): the
+  second call with new values compiles nothing and is exact; a new batch
+  shape compiles again."""
+  mesh = MESHES[name]()
+  w, x, y, m = _data()
+  f = wa.microbatched_value_and_grad(
+    lambda p, b: (
+      jnp.sum(b["m"] * (p @ b["x"] - b["y"]) ** 2),
+      jnp.sum(b["m"]),
+    ),
+    K,
+    mode="sum",
+    axis_name="data",
+    batch_argnums={1: -1},
+  )
+
+  def batch(x, y, m):
+    return {
+      "x": mesh.put(x, P(None, "data")),
+      **mesh.put({"y": y, "m": m}, P("data")),
+    }
+
+  with mesh.context():
+    p = mesh.put(jnp.asarray(w), P())
+    f(p, batch(x, y, m))
+    x2 = x[::-1].copy()
+    with _Compiles() as c:
+      _, out = f(p, batch(x2, y, m))
+      jax.block_until_ready(out)
+    assert c.n == 0
+    np.testing.assert_allclose(out.grads, _ref_grad(w, x2, y, m), rtol=1e-5)
+    with _Compiles() as c:
+      jax.block_until_ready(f(p, batch(x[:, :16], y[:16], m[:16])))
+    assert c.n > 0
+    # f.accumulate into a stacked window, eagerly: once the window is as
+    # a call returns it (dist.init's may be placed otherwise), the same.
+    state = wa.init(p, axis_name="data")
+    for rows in (x, x2):
+      _, state = f.accumulate(state, p, batch(rows, y, m))
+    with _Compiles() as c:
+      _, state = f.accumulate(state, p, batch(x, y, m))
+      jax.block_until_ready(state)
+    assert c.n == 0
+    tx = optax.sgd(1.0)
+    new, *_ = wa.apply_window(tx, state, p, tx.init(p))
+  both = np.concatenate([x, x2, x], axis=1), np.tile(y, 3), np.tile(m, 3)
+  np.testing.assert_allclose(
+    w - np.asarray(new), _ref_grad(w, *both), rtol=1e-5
+  )
+
+
+def test_a_python_float_param_with_data_axes():
+  """A Python float as the differentiated argument (as jax.grad takes it),
+  eagerly and under jit, with data_axes: the full-batch gradient."""
+  mesh = MESHES["auto"]()
+  x = np.arange(ROWS, dtype=np.float32) / ROWS
+  m = (np.arange(ROWS) % 3 != 0).astype(np.float32)
+  f = wa.microbatched_value_and_grad(
+    lambda w, x, m: (jnp.sum(m * (x * w) ** 2), jnp.sum(m)),
+    K,
+    mode="sum",
+    batch_argnums=(1, 2),
+    axis_name="data",
+  )
+  ref = 2 * 1.5 * float(np.sum(m * x.astype(np.float64) ** 2) / m.sum())
+  xs, ms = mesh.put(x, P("data")), mesh.put(m, P("data"))
+  for g in (f, jax.jit(f)):
+    _, out = g(1.5, xs, ms)
+    np.testing.assert_allclose(float(out.grads), ref, rtol=1e-6)

@@ -384,6 +384,30 @@ def test_one_reduction_per_call_whatever_k(name, fsdp, k):
   assert _same_sharding(out.grads, params)
 
 
+@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("name", ["explicit", "explicit_2d"])
+def test_explicit_batch_without_data_axes_reduces_once(name, k):
+  """On an Explicit mesh the batch's type says which axes hold its rows:
+  without ``data_axes`` the call reads them there and reduces once (the
+  same bytes for every K; it reduced K times before), with the full-batch
+  gradient on the params' shardings and ``issued`` counted as written
+  (K)."""
+  style = _style(name)
+  params, batch = style.put(_params_np(), _batch_np())
+  f = jax.jit(wa.microbatched_value_and_grad(style.loss("sum"), k, mode="sum"))
+  with style.context():
+    stats = hlo.hlo_stats(f.lower(params, batch).compile())
+    _, out = f(params, batch)
+  groups = style.groups()
+  assert stats.count("all-reduce", groups) == 1
+  assert stats.nbytes("all-reduce", groups) == (
+    _shard_bytes(params) + 4 * STEP_SCALARS
+  )
+  assert _err(out.grads, _reference(_params_np(), _batch_np())) <= 1e-5
+  assert int(out.issued) == k and bool(out.valid)
+  assert _same_sharding(out.grads, params)
+
+
 @pytest.mark.parametrize("name,fsdp", IN_STEP)
 def test_mean_losses_with_an_empty_replica_are_exact(name, fsdp):
   """mode='mean' with unguarded per-microbatch means: replica 0's
@@ -532,27 +556,117 @@ def test_data_axes_errors_name_what_is_wrong():
   style = _style("auto")
   params, batch = style.put(_params_np(), _batch_np())
   mv = wa.microbatched_value_and_grad
-  with pytest.raises(wa.WeightedAccumulationError, match="not both"):
-    mv(_loss_sum, 2, mode="sum", axis_name="data", data_axes="data")
-  with pytest.raises(wa.WeightedAccumulationError, match="data_axes=3"):
-    mv(_loss_sum, 2, mode="sum", data_axes=3)
+  with pytest.raises(wa.WeightedAccumulationError, match="axis_name"):
+    mv(_loss_sum, 2, mode="sum", axis_name=3)
   with pytest.raises(wa.WeightedAccumulationError, match="fsdp='each'"):
-    mv(_loss_sum, 2, mode="sum", data_axes="data", fsdp="each")
+    wa.distributed.DataParallel("data", fsdp="each")
   with pytest.raises(wa.WeightedAccumulationError, match="not a Partition"):
-    mv(_loss_sum, 2, mode="sum", data_axes="data", param_specs={"w1": "x"})
-  f = mv(_loss_sum, 2, mode="sum", data_axes="model")
+    wa.distributed.DataParallel("data", param_specs={"w1": "x"})
+  f = mv(_loss_sum, 2, mode="sum", axis_name="model")
   with pytest.raises(wa.WeightedAccumulationError, match="not on a mesh"):
     jax.jit(f)(params, batch)
-  f = mv(_loss_sum, 3, mode="sum", data_axes="data")
+  f = mv(_loss_sum, 3, mode="sum", axis_name="data")
   with pytest.raises(wa.WeightedAccumulationError, match="divisible by 24"):
     jax.jit(f)(params, batch)
-  f = mv(_loss_sum, 2, mode="sum", data_axes="data", param_specs={"w1": P()})
+  dp = wa.distributed.DataParallel("data", param_specs={"w1": P()})
+  f = mv(_loss_sum, 2, mode="sum", axis_name=dp)
   with pytest.raises(wa.WeightedAccumulationError, match="do not match"):
     jax.jit(f)(params, batch)
   bad = {"w1": P("data", "data"), "b1": P(), "w2": P()}
-  f = mv(_loss_sum, 2, mode="sum", data_axes="data", param_specs=bad)
+  f = mv(
+    _loss_sum,
+    2,
+    mode="sum",
+    axis_name=wa.distributed.DataParallel("data", param_specs=bad),
+  )
   with pytest.raises(wa.WeightedAccumulationError, match="one dimension"):
     jax.jit(f)(params, batch)
+
+
+@pytest.mark.parametrize("fsdp", ["gather_once", "scatter_each"])
+def test_param_specs_are_checked_against_the_mesh_naming_the_leaf(fsdp):
+  """A spec naming an axis the mesh lacks, or an FSDP dimension the 4 data
+  replicas do not divide (6 columns): named with the leaf path and the
+  fix, before any kernel (jax's own errors name neither)."""
+  style = _style("auto_2d")  # data 4 x model 2
+  params, batch = style.put(_params_np(), _batch_np())
+  mv = wa.microbatched_value_and_grad
+  missing = {"w1": P(None, "tensor"), "b1": P(), "w2": P()}
+  dp = wa.distributed.DataParallel("data", param_specs=missing)
+  f = mv(_loss_sum, 2, mode="sum", axis_name=dp)
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=r"param \['w1'\]: its spec .*names the axis 'tensor', which the "
+    r"mesh \(axes \('data', 'model'\)\) lacks.*param_specs",
+  ):
+    jax.jit(f)(params, batch)
+  odd = dict(_params_np(), w1=np.zeros((D, 6), np.float32))
+  odd_params, _ = style.put(odd, _batch_np())
+  fsdp_specs = {"w1": P(None, "data"), "b1": P(), "w2": P()}
+  f = mv(
+    lambda p, b: (jnp.sum(p["w1"]) * jnp.sum(b["m"]), jnp.sum(b["m"])),
+    2,
+    mode="sum",
+    axis_name=wa.distributed.DataParallel(
+      "data", param_specs=fsdp_specs, fsdp=fsdp
+    ),
+  )
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=r"param \['w1'\].*dimension 1 \(size 6\) over \('data',\), 4 "
+    r"shards.*multiple of 4",
+  ):
+    jax.jit(f)(odd_params, batch)
+
+
+@pytest.mark.parametrize("fsdp", ["gather_once", "scatter_each"])
+@pytest.mark.parametrize(
+  "spec", [P("data", "model"), P(("data", "model"), None)]
+)
+def test_explicit_fsdp_param_with_another_axis_is_refused_by_name(fsdp, spec):
+  """On an Explicit mesh JAX's reduce-scatter over the data axes cannot
+  keep a model axis on the gradient (an AssertionError, or a scan carry
+  type error): refused naming the param and the Auto-mesh alternative,
+  which computes the full-batch gradient."""
+  explicit = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+  )
+  specs = {"w1": spec, "b1": P(), "w2": P()}
+  loss = functools.partial(_loss_sum, matmul=_explicit_matmul)
+  with jax.set_mesh(explicit):
+    params = {
+      k: jax.device_put(v, NamedSharding(explicit, specs[k]))
+      for k, v in _params_np().items()
+    }
+    batch = jax.device_put(_batch_np(), NamedSharding(explicit, P("data")))
+    f = wa.microbatched_value_and_grad(
+      loss,
+      2,
+      mode="sum",
+      axis_name=wa.distributed.DataParallel("data", fsdp=fsdp),
+    )
+    with pytest.raises(
+      wa.WeightedAccumulationError,
+      match=r"param \['w1'\] is typed .*Explicit mesh.*\('model',\).*Auto "
+      r"mesh.*param_specs",
+    ):
+      jax.jit(f)(params, batch)
+  auto = jax.make_mesh(
+    (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+  )
+  params = {
+    k: jax.device_put(v, NamedSharding(auto, specs[k]))
+    for k, v in _params_np().items()
+  }
+  batch = jax.device_put(_batch_np(), NamedSharding(auto, P("data")))
+  f = wa.microbatched_value_and_grad(
+    _loss_sum,
+    2,
+    mode="sum",
+    axis_name=wa.distributed.DataParallel("data", param_specs=specs, fsdp=fsdp),
+  )
+  _, out = jax.jit(f)(params, batch)
+  assert _err(out.grads, _reference(params, batch)) < 1e-5
 
 
 def test_explicit_batch_must_be_sharded_over_the_data_axes():

@@ -18,6 +18,7 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 import optax
 
+from weighted_accum._src import validation
 from weighted_accum._src.across_steps import held_state
 from weighted_accum._src.across_steps import multi_steps_step as step
 from weighted_accum._src.across_steps.wrapper_state import (
@@ -36,6 +37,23 @@ def _unwrap(tree: Any) -> Any:
   """``tree`` with every ``nnx.Variable`` replaced by its value; the
   wrapper's state held as an ``nnx.State`` rebuilt as one."""
   return held_state.view(tree)
+
+
+def _wrapper_state(state: Any, what: str) -> WeightedMultiStepsState:
+  """``state``, refused by name when it is not this wrapper's state (an
+  ``optax.MultiStepsState`` has no window to read)."""
+  hint = (
+    "Pass the state of wa.WeightedMultiSteps (tx.init / tx.update, or "
+    "nnx.Optimizer(...).opt_state)."
+  )
+  if isinstance(state, optax.MultiStepsState):
+    hint += (
+      " This is optax.MultiSteps' state: read it with "
+      "optax.MultiSteps(...).has_updated(state) and state.mini_step."
+    )
+  return validation.instance(
+    state, WeightedMultiStepsState, what=f"{what}(state)", hint=hint
+  )
 
 
 def has_updated(state: WeightedMultiStepsState) -> jax.Array:
@@ -65,7 +83,8 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> bool(wa.has_updated(state))
     True
   """
-  return jnp.asarray(_unwrap(state).updated)
+  state = _wrapper_state(_unwrap(state), "has_updated")
+  return jnp.asarray(state.updated)
 
 
 def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
@@ -97,7 +116,7 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
     >>> int(c['mini_step']), int(c['issued']), c['total_weight']
     (1, 1, 7.0)
   """
-  state = _unwrap(state)
+  state = _wrapper_state(_unwrap(state), "window_counters")
   win = state.window
   return dict(
     mini_step=state.mini_step,

@@ -100,8 +100,14 @@ def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
   if scaler is not None:
     # Fresh host-born arrays: a donated state must not hold one buffer twice,
     # and a scale committed to another device must not meet the params
-    # (commit_like below places them as the params).
-    scaler = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), scaler)
+    # (commit_like below places them as the params). A scaler built under
+    # jax.jit / jax.eval_shape (the create-train-state idiom) holds traced
+    # fields, already checked by the scaler's own rules: they are new values
+    # of this trace, kept as they are.
+    scaler = jax.tree.map(
+      lambda x: x if tree_utils.is_traced(x) else jnp.asarray(np.asarray(x)),
+      scaler,
+    )
   scale = cfg.loss_scale if scaler is None else jnp.array(scaler.scale)
   accum = accumulation.init(params, dtype=cfg.dtype, loss_scale=scale)
   if cfg.axis_name is not None:  # every microbatch is reduced as it comes

@@ -49,12 +49,30 @@ def init(
     "leaves, e.g. nnx.state(model, nnx.Param) or eqx.filter(model, "
     "eqx.is_inexact_array).",
   )
-  tree_utils.check_one_device_set(params, what="init(params)")
-  buffers = jax.tree.map(lambda p: tree_utils.zeros_like(p, dt), params)
+  validation.one_device_set([("", params)], what="init(params)")
+  buffers = _follow_committed(
+    jax.tree.map(lambda p: tree_utils.zeros_like(p, dt), params)
+  )
   counters = base.initial(work_dtype=dt, loss_scale=ls)
   return AccumState(
     grads=buffers, dtype=dt, **tree_utils.commit_like(counters, buffers)
   )
+
+
+def _follow_committed(buffers: Any) -> Any:
+  """Buffers of uncommitted params put where the committed ones are, as
+  ``jax.jit`` would move them: a window of params some committed, some not,
+  then takes grads committed anywhere (``accumulate`` moves them onto each
+  buffer's sharding) and never meets two device sets in one kernel."""
+  target = tree_utils.replicated_sharding(buffers)
+  if target is None:
+    return buffers
+
+  def place(b):
+    concrete = isinstance(b, jax.Array) and not tree_utils.is_traced(b)
+    return jax.device_put(b, target) if concrete and not b.committed else b
+
+  return jax.tree.map(place, buffers)
 
 
 # ----------------------------------------------------------- from_buffers --
@@ -155,6 +173,7 @@ def from_buffers(
   leaves = tree_utils.match_tree(
     params, buffers, what="from_buffers(buffers)", ref_name="params"
   )
+  validation.one_device_set([("", params)], what="from_buffers(params)")
   paths = tree_utils.leaf_paths(params)
   dtype = _buffers_dtype(list(zip(paths, leaves)))
   c = validation.saved_counters(

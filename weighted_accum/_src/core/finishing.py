@@ -35,6 +35,7 @@ def _window(state: Any, what: str, stacked_ok: bool = False) -> AccumState:
   state = validation.instance(
     state, AccumState, what=f"{what}(state)", hint=_STATE_HINT
   )
+  validation.one_device_set([("state.grads", state.grads)], what=what)
   return state if stacked_ok else one_window(state, what)
 
 
@@ -405,6 +406,14 @@ def apply_window(
     p, o = _apply_result_kernel(tx, state, params, opt_state)
     return p, o, None, state
   state = _window(state, "apply_window", stacked_ok=True)
+  validation.one_device_set(
+    [
+      ("state.grads", state.grads),
+      ("params", params),
+      ("opt_state", opt_state),
+    ],
+    what="apply_window",
+  )
   if replicas.is_stacked(state):
     return _apply_stacked(tx, state, params, opt_state, next_loss_scale)
   tree_utils.match_tree(

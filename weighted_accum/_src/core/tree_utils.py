@@ -300,29 +300,6 @@ def _committed_arrays(tree: Any) -> list[jax.Array]:
   ]
 
 
-def check_one_device_set(tree: Any, *, what: str) -> None:
-  """Refuses concrete committed arrays on different sets of devices: a
-  jitted computation cannot take them together."""
-  flat_tree = [
-    (p, x)
-    for p, x in flat(tree)
-    if isinstance(x, jax.Array) and not is_traced(x) and x.committed
-  ]
-  if not flat_tree:
-    return
-  path0, x0 = flat_tree[0]
-  devices = x0.sharding.device_set
-  for path, x in flat_tree[1:]:
-    if x.sharding.device_set != devices:
-      raise WeightedAccumulationError(
-        f"{what}: leaf {path} is committed to devices "
-        f"{sorted(d.id for d in x.sharding.device_set)} but leaf {path0} to "
-        f"{sorted(d.id for d in devices)}; one jitted computation cannot "
-        "take arrays committed to different devices. Put every param on "
-        "one device or one mesh (jax.device_put(params, sharding))."
-      )
-
-
 def replicated_sharding(tree: Any) -> jax.sharding.Sharding | None:
   """The sharding ``jit`` gives a scalar computed from ``tree``'s arrays.
 

@@ -154,6 +154,7 @@ class Call(NamedTuple):
   k: int
   batch: tuple[Batch, ...]
   diffs: tuple[Diff, ...]
+  rows: int  # the split batch's rows along its batch axis
 
 
 def differentiable(x: Any) -> bool:
@@ -165,7 +166,29 @@ def differentiable(x: Any) -> bool:
   return jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _python_float(x: Any) -> bool:
+  return isinstance(x, float) and not isinstance(x, np.generic)
+
+
+def float_params(roles: Roles, args: tuple) -> tuple:
+  """``args`` with each differentiated argument that has no floating array
+  holding its Python floats as float32 scalars (see :func:`_diff`), so
+  that every path (with ``data_axes`` too) sees them as arrays."""
+  out = list(args)
+  for n in roles.argnums:
+    if n < len(out) and not any(map(differentiable, jax.tree.leaves(out[n]))):
+      out[n] = jax.tree.map(
+        lambda v: jnp.asarray(v) if _python_float(v) else v, out[n]
+      )
+  return tuple(out)
+
+
 def _diff(what: str, n: int, x: Any) -> Diff:
+  """The differentiated leaves of argument ``n``: its floating arrays; in an
+  argument that has none, its Python floats, as ``jax.grad`` takes them
+  (each a weakly typed float32 scalar: ``jax.grad(f)(1.0)``). Where arrays
+  are present Python floats stay fixed (an Equinox module's ``p: float``,
+  as ``eqx.filter_value_and_grad`` holds it)."""
   if nnx.graph.is_graph_node(x):  # as nnx.value_and_grad: Params, the rest
     graphdef, params, rest = nnx.split(x, nnx.Param, ...)
     d = _diff(what, n, params)
@@ -174,10 +197,14 @@ def _diff(what: str, n: int, x: Any) -> Diff:
   leaves, treedef = jax.tree.flatten(x)
   mask = tuple(differentiable(v) for v in leaves)
   if not any(mask):
+    mask = tuple(_python_float(v) for v in leaves)
+    leaves = [jnp.asarray(v) if m else v for v, m in zip(leaves, mask)]
+  if not any(mask):
     raise WeightedAccumulationError(
-      f"{what}: argument {n} (argnums) has no floating array leaf to "
-      f"differentiate (got {type(x).__name__}). Pass the params as arrays, "
-      "e.g. jnp.asarray(1.0) for a scalar."
+      f"{what}: argument {n} (argnums) has no floating leaf to "
+      f"differentiate (got {type(x).__name__}; ints, bools and strings are "
+      "not differentiable). Pass the params as floating arrays or Python "
+      "floats, e.g. jnp.asarray(1.0) for a scalar."
     )
   return Diff(treedef, mask, tuple(leaves))
 
@@ -311,7 +338,30 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
     for path, key in tree_utils.flat(args[n]):
       validation.random_key(key, what=f"{what}: argument {n} {path}")
   diffs = tuple(_diff(what, n, args[n]) for n in roles.argnums)
-  return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs)
+  rows = sizes[0][3] if sizes else 0
+  return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs, rows)
+
+
+def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
+  """``(name, value, how to split it)`` of the arguments passed unchanged
+  to every microbatch (neither differentiated, split, threaded nor a
+  key)."""
+  roled = set(roles.argnums + roles.batch_argnums)
+  roled |= set(roles.state_argnums + roles.key_argnums)
+  out = [
+    (f"argument {n}", a, f"batch_argnums={(*roles.batch_argnums, n)}")
+    for n, a in enumerate(call.args)
+    if n not in roled
+  ]
+  return out + [
+    (
+      f"keyword argument {k!r}",
+      v,
+      f"batch_argnames={(*roles.batch_argnames, k)}",
+    )
+    for k, v in call.kwargs.items()
+    if k not in roles.batch_argnames
+  ]
 
 
 # ----------------------------------------------------- one microbatch --

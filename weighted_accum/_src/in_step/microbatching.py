@@ -108,7 +108,20 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
   states checked to come back as they went in."""
   values = margs.diff_values(call)
 
-  ev = jax.eval_shape(lambda: _evaluate(cfg, call, 0, values, threaded))
+  def first():
+    return _evaluate(cfg, call, 0, values, threaded)
+
+  try:
+    ev = jax.eval_shape(first)
+  except (TypeError, ValueError) as e:
+    if isinstance(e, WeightedAccumulationError):
+      raise
+    err = validation.unsplit_batch(
+      margs.unchanged(call, cfg.roles), call.rows, what=_WHAT
+    )
+    if err is None:
+      raise
+    raise err from e
   like = lambda t: [
     (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(t)
   ]
@@ -627,6 +640,7 @@ def _data_parallel(axis_name: Any) -> dict[str, Any]:
 
 def _functions(cfg: _Config) -> Callable[..., Any]:
   """``f`` and its ``.accumulate`` for one configuration."""
+  eager: dict = {}  # data_axes: the compiled programs of eager calls
 
   inside = cfg._replace(data_axes=None)
 
@@ -638,17 +652,32 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
   ):
+    args = margs.float_params(cfg.roles, args)
+    n_real = num_real_microbatches
     if global_batch():
       ls = call_scale(cfg, loss_scale)
-      call = (args, kw, num_real_microbatches, ls, normalizers)
-      return spmd.value_and_grad(cfg, _step, call)
-    n_real = num_real_microbatches
+      call = (args, kw, n_real, ls, normalizers)
+      return spmd.value_and_grad(cfg, _step, call, eager)
+    typed = None
+    if cfg.data_axes is None:  # an Explicit batch names its data axes
+      typed = spmd.typed_data_axes(cfg, args, kw)
+    if typed is not None:
+      axes, n = typed  # reduce once, not K times
+      call = (args, kw, n_real, call_scale(cfg, loss_scale), normalizers)
+      try:
+        typed_cfg = cfg._replace(data_axes=axes)
+        loss, out = spmd.value_and_grad(typed_cfg, _step, call, eager)
+      except Exception:  # pylint: disable=broad-except
+        pass  # e.g. a loss_fn that names a data axis: run it as written
+      else:  # issued counted as without data axes: K, not N x K
+        return loss, out.replace(issued=out.issued // n)
     return _step(inside, args, kw, n_real, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
+    args = margs.float_params(cfg.roles, args)
     if global_batch():
       return spmd.accumulate(
-        cfg, _accumulate, state, (args, kw, num_real_microbatches)
+        cfg, _accumulate, state, (args, kw, num_real_microbatches), eager
       )
     return _accumulate(inside, state, args, kw, num_real_microbatches)
 

@@ -167,6 +167,53 @@ def options(kw: dict) -> dict:
   )
 
 
+# ----------------------------------------- data axes read from the types --
+
+
+def typed_data_axes(
+  cfg: Any, args: tuple, kwargs: dict
+) -> tuple[Axes, int] | None:
+  """The data axes a call's batch is typed with on an ``Explicit`` mesh,
+  where ``data_axes`` reproduces the result without them exactly (no aux,
+  threaded state or keys; the strided split; K given; the params not
+  sharded over those axes), so the call reduces once instead of once per
+  microbatch; with the number of replicas over them. ``None``: the call
+  runs as written."""
+  roles = cfg.roles
+  if (
+    cfg.data_axes is not None
+    or cfg.axis_name is not None
+    or cfg.has_aux
+    or roles.state_argnums
+    or roles.key_argnums
+    or roles.split != "strided"
+    or roles.num_microbatches is None
+  ):
+    return None
+  try:
+    batch = margs.batch_leaves(_WHAT, roles, args, kwargs)
+  except WeightedAccumulationError:
+    return None  # the call as written reports it
+  typed = (
+    {layout_.typed_axes(x, a) for _, x, a, _ in batch} if batch else {None}
+  )
+  if len(typed) != 1 or None in typed:
+    return None
+  mesh, axes = typed.pop()
+  n, k = layout_.size(mesh, axes), roles.num_microbatches
+  if batch[0][3] % (n * k) or set(axes) & set(tree_utils.manual_axes()):
+    return None
+  params = [x for n_ in roles.argnums for x in jax.tree.leaves(args[n_])]
+  for x in params:
+    if not margs.differentiable(x):
+      continue
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    on = {a for e in (spec or ()) for a in layout_.names(e)}
+    if on & set(axes):
+      return None
+  return (axes, n) if any(map(margs.differentiable, params)) else None
+
+
 # ----------------------------------------------------------- one call --
 
 
@@ -276,13 +323,39 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   params = _params(cfg, args)
   specs = _param_specs(cfg, params, is_explicit)
   leaves = tuple(
-    layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
+    _leaf(spec, mesh, is_explicit, path, x, axes)
     for spec, (path, x) in zip(specs, tree_utils.flat(params))
   )
   lay = Layout(axes, n, cfg.fsdp, leaves)
   roles = cfg.roles._replace(num_microbatches=k, microbatch_size=None)
   inner = cfg._replace(axis_name=axes, data_axes=None, spmd=lay, roles=roles)
   return _Plan(mesh, is_explicit, lay, inner)
+
+
+def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
+  """One param's layout, its spec checked against the mesh (the axes it
+  names, the dimensions they divide) where it was given."""
+  where = "its type" if is_explicit else "param_specs"
+  if spec is not None:
+    validation.spec_on_mesh(
+      spec,
+      mesh,
+      jnp.shape(x),
+      what=f"{_WHAT}(data_axes={axes}): param {path}",
+      hint=f"The spec is from {where}.",
+    )
+  e = layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
+  others = set().union(*map(layout_.names, spec)) - set(axes) if spec else ()
+  if is_explicit and e.scatter and others:
+    raise WeightedAccumulationError(
+      f"{_WHAT}(data_axes={axes}): param {path} is typed {spec} on an "
+      f"Explicit mesh: sharded over the data axes (FSDP) and over "
+      f"{tuple(sorted(others))} too. JAX's reduce-scatter over the data "
+      "axes cannot keep another Explicit axis on the gradient. Use an Auto "
+      "mesh for it (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))) "
+      "with param_specs=..., or shard this param over the data axes only."
+    )
+  return e
 
 
 def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
@@ -416,11 +489,49 @@ def aux_per_replica(aux: Any, axes: Axes) -> Any:
   return jax.tree.map(lambda a: a[:, None], tree_utils.to_varying(aux, axes))
 
 
-def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
+_EAGER_ENTRIES = 16  # compiled eager calls kept per function
+
+
+def _eager_key(sp: _Split, dyn: list, pl: _Plan) -> Any:
+  """What an eager call's compiled program depends on beyond its array
+  values: the call's structure, its other leaves (static), each array's
+  shape, dtype and sharding, and the layout. ``None`` when a static leaf
+  is not hashable (that call is not cached)."""
+  dynamic = set(sp.dynamic)
+  static = tuple(
+    (type(x), x) for i, x in enumerate(sp.leaves) if i not in dynamic
+  )
+  avals = tuple(
+    (
+      np.shape(x),
+      str(getattr(x, "dtype", type(x))),
+      getattr(x, "sharding", None),
+    )
+    for x in dyn
+  )
+  key = (sp.treedef, static, avals, tuple(sp.specs), pl.mesh, pl.is_explicit)
+  key += (pl.lay, pl.inner.roles, pl.inner.data_axes, pl.inner.axis_name)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _concrete(tree: Any) -> bool:
+  return not any(tree_utils.is_traced(x) for x in jax.tree.leaves(tree))
+
+
+def value_and_grad(
+  cfg: Any, step: Callable[..., Any], call: tuple, cache: dict | None = None
+) -> Any:
   """``f(*args, **kwargs)`` with ``data_axes``: ``step`` (the ``axis_name``
   path) inside a partial-manual ``shard_map`` over the data axes. ``call``
   is ``(args, kwargs, num_real, loss_scale, normalizers)``, the loss scale
-  already validated."""
+  already validated. An eager call runs one ``jax.jit`` program, kept in
+  ``cache`` (the function's own) so the next eager call with the same
+  structure, shapes and shardings compiles nothing (an eager ``shard_map``
+  would compile each of its operations, every call)."""
   args, kwargs, num_real, scale, normalizers = call
   pl = plan_call(cfg, args, kwargs)
   k = pl.inner.roles.num_microbatches
@@ -442,23 +553,70 @@ def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
       return (loss, aux_per_replica(aux, axes)), out
     return res
 
-  res = jax.shard_map(
-    body,
-    mesh=pl.mesh,
-    in_specs=(sp.specs, P(), P()),
-    out_specs=_out_specs(cfg, args, pl.lay),
-    axis_names=set(axes),
-  )([sp.leaves[i] for i in sp.dynamic], n_real, ls)
-  return _placed(res, pl)
+  def run(dyn, n_real, ls):
+    res = jax.shard_map(
+      body,
+      mesh=pl.mesh,
+      in_specs=(sp.specs, P(), P()),
+      out_specs=_out_specs(cfg, args, pl.lay),
+      axis_names=set(axes),
+    )(dyn, n_real, ls)
+    return _placed(res, pl)
+
+  dyn = [sp.leaves[i] for i in sp.dynamic]
+  return _run_cached(cache, run, sp, pl, dyn, n_real, ls)
+
+
+def _run_cached(cache, run, sp, pl, dyn, *rest):
+  """``run(dyn, *rest)``: eagerly, through the ``jax.jit`` program kept in
+  ``cache`` for this call's key (compiled on first use); under a trace,
+  or without a key, as it is. ``rest``'s arrays (a window, the scale) key
+  the program by their structure, shapes, dtypes and shardings."""
+  key = None
+  if cache is not None and _concrete((dyn, rest)):
+    key = _eager_key(sp, dyn + jax.tree.leaves(rest), pl)
+  if key is None:
+    return run(dyn, *rest)
+  key += (jax.tree.structure(rest),)
+  if key not in cache:
+    if len(cache) >= _EAGER_ENTRIES:
+      cache.pop(next(iter(cache)))
+    cache[key] = jax.jit(run)
+  return cache[key](dyn, *rest)
+
+
+def _check_window(state: Any, lay: Layout, what: str) -> None:
+  """The window ``f.accumulate`` adds to with ``data_axes``: stacked per
+  replica, for these replicas, FSDP gradients kept full-size."""
+  if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
+    raise WeightedAccumulationError(
+      f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
+      "across calls would not be per replica; use fsdp='gather_once' "
+      "(full-size per-replica sums, one reduce-scatter at the close)."
+    )
+  if not replicas.is_stacked(state):
+    raise WeightedAccumulationError(
+      f"{what}: under plain jit the window is per replica, stacked over "
+      f"the {lay.replicas} replicas: start it with "
+      f"wa.init(params, axis_name={lay.axes!r}) outside "
+      "shard_map (a global wa.init window would need a reduction per call)."
+    )
+  replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
 
 
 def accumulate(
-  cfg: Any, step: Callable[..., Any], state: Any, call: tuple
+  cfg: Any,
+  step: Callable[..., Any],
+  state: Any,
+  call: tuple,
+  cache: dict | None = None,
 ) -> Any:
   """``f.accumulate(state, *args, **kwargs)`` with ``data_axes``: ``step``
   on each replica's block of a stacked per-replica window inside a
   partial-manual ``shard_map``; no collective. The loss sum and the weight
-  come back per replica, ``[N]``. ``call`` is ``(args, kwargs, num_real)``."""
+  come back per replica, ``[N]``. ``call`` is ``(args, kwargs, num_real)``;
+  an eager call is compiled once per key in ``cache`` (as
+  :func:`value_and_grad`)."""
   args, kwargs, num_real = call
   what = f"{_WHAT}(...).accumulate(state)"
   state = validation.instance(
@@ -470,20 +628,7 @@ def accumulate(
   )
   pl = plan_call(cfg, args, kwargs)
   lay = pl.lay
-  if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
-    raise WeightedAccumulationError(
-      f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
-      "across calls would not be per replica; use fsdp='gather_once' "
-      "(full-size per-replica sums, one reduce-scatter at the close)."
-    )
-  if not replicas.is_stacked(state):
-    raise WeightedAccumulationError(
-      f"{what}: with data_axes the window is per replica, stacked over "
-      f"the {lay.replicas} replicas: start it with "
-      f"wa.init(params, axis_name={lay.axes!r}) outside "
-      "shard_map (a global wa.init window would need a reduction per call)."
-    )
-  replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
+  _check_window(state, lay, what)
   n_real = validation.num_real(
     num_real, pl.inner.roles.num_microbatches, what=_WHAT
   )
@@ -503,10 +648,15 @@ def accumulate(
 
   specs = replicas.specs(state, lay.axes)
   value_specs = ((one, one), P(None, one[0])) if cfg.has_aux else (one, one)
-  return jax.shard_map(
-    body,
-    mesh=pl.mesh,
-    in_specs=(specs, sp.specs, P()),
-    out_specs=(value_specs, specs),
-    axis_names=set(lay.axes),
-  )(state, [sp.leaves[i] for i in sp.dynamic], n_real)
+
+  def run(dyn, state, n_real):
+    return jax.shard_map(
+      body,
+      mesh=pl.mesh,
+      in_specs=(specs, sp.specs, P()),
+      out_specs=(value_specs, specs),
+      axis_names=set(lay.axes),
+    )(state, dyn, n_real)
+
+  dyn = [sp.leaves[i] for i in sp.dynamic]
+  return _run_cached(cache, run, sp, pl, dyn, state, n_real)

@@ -103,6 +103,23 @@ def find_mesh(arrays: list[Any], axes: Axes, *, what: str) -> Any:
   )
 
 
+def typed_axes(x: Any, axis: int) -> tuple[Any, Axes] | None:
+  """The mesh and the Explicit axes sharding ``x``'s dimension ``axis``
+  (from its type), or ``None``."""
+  try:
+    sharding = jax.typeof(x).sharding
+  except (AttributeError, TypeError):
+    return None
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None or not getattr(mesh, "axis_names", ()):
+    return None
+  on = names(tuple(spec)[axis] if axis < len(spec) else None)
+  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+  if not on or any(kinds[a] != AxisType.Explicit for a in on):
+    return None
+  return mesh, on
+
+
 def size(mesh: Any, axes: Axes) -> int:
   """The number of replicas over ``axes``."""
   return math.prod(mesh.shape[a] for a in axes)

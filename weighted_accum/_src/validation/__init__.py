@@ -1,7 +1,8 @@
 """Every check of a value a caller hands in: one function per kind of input,
 each returning the value to store (one package: ``values``, ``options``,
 ``calls`` (how an in-step microbatched function is configured and called),
-``restored`` counters and the ``scaler``'s configuration; import it as
+``restored`` counters, the ``scaler``'s configuration and the
+``placement`` of the caller's arrays on devices; import it as
 ``validation`` and call ``validation.weight(...)``).
 
 Every public entry point calls these before any kernel sees the value. The
@@ -30,6 +31,10 @@ from weighted_accum._src.validation.calls import (
 )
 from weighted_accum._src.validation.calls import random_key as random_key
 from weighted_accum._src.validation.calls import split as split
+from weighted_accum._src.validation.calls import unsplit_batch as unsplit_batch
+from weighted_accum._src.validation.devices import (
+  one_device_set as one_device_set,
+)
 from weighted_accum._src.validation.options import argnums as argnums
 from weighted_accum._src.validation.options import axis_names as axis_names
 from weighted_accum._src.validation.options import bool_scalar as bool_scalar
@@ -50,6 +55,7 @@ from weighted_accum._src.validation.options import (
   partition_specs as partition_specs,
 )
 from weighted_accum._src.validation.options import shared as shared
+from weighted_accum._src.validation.options import spec_on_mesh as spec_on_mesh
 from weighted_accum._src.validation.options import static_flag as static_flag
 from weighted_accum._src.validation.options import static_int as static_int
 from weighted_accum._src.validation.options import traced_flag as traced_flag

@@ -168,3 +168,33 @@ def normalizers(x: Any, terms: Sequence[Any], *, what: str) -> dict:
       f"{sorted(map(str, terms))}."
     )
   return {t: normalizer(v, what=f"{what}[{t!r}]") for t, v in x.items()}
+
+
+def unsplit_batch(
+  unchanged: Sequence[tuple[str, Any, str]], batch_size: int, *, what: str
+) -> WeightedAccumulationError | None:
+  """The error for an argument that looks like a forgotten batch: ``loss_fn``
+  failed on a microbatch while an argument passed unchanged (neither split,
+  differentiated, threaded nor a key) holds an array whose leading axis has
+  the batch's ``batch_size`` rows. ``None`` when none does (the failure is
+  then ``loss_fn``'s own).
+
+  Args:
+    unchanged: ``(name, value, fix)`` of each argument passed unchanged,
+      ``fix`` the role setting that would split it.
+    batch_size: the rows of the split batch arguments.
+    what: the entry point, for the error.
+  """
+  for name, tree, fix in unchanged:
+    for x in jax.tree.leaves(tree):
+      shape = np.shape(x) if hasattr(x, "shape") else ()
+      if shape and shape[0] == batch_size:
+        return WeightedAccumulationError(
+          f"{what}: loss_fn failed on a microbatch, and {name} is passed "
+          f"unchanged to every microbatch although its leading axis has "
+          f"the batch's {batch_size} rows (shape {tuple(shape)}). If it is "
+          f"part of the batch, pass {fix} so it is split with the rest "
+          "(batch_argnums / batch_argnames); loss_fn's own error is chained "
+          "below."
+        )
+  return None

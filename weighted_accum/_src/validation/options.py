@@ -252,6 +252,33 @@ def _varying(x: Any) -> set[str]:
   return out
 
 
+def spec_on_mesh(
+  spec: Any, mesh: Any, shape: tuple[int, ...], *, what: str, hint: str
+) -> Any:
+  """A param's ``PartitionSpec`` checked against the mesh it will be laid
+  on: every axis it names is one of the mesh's, and each dimension divides
+  evenly over the axes sharding it (a reduce-scatter over the data axes
+  needs it). ``what`` names the param (its leaf path); ``hint`` says where
+  the spec came from."""
+  for dim, entry in enumerate(spec):
+    on = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    for a in on:
+      if a not in mesh.axis_names:
+        raise WeightedAccumulationError(
+          f"{what}: its spec {spec} names the axis {a!r}, which the mesh "
+          f"(axes {tuple(mesh.axis_names)}) lacks. {hint}"
+        )
+    n = math.prod(mesh.shape[a] for a in on)
+    if dim < len(shape) and shape[dim] % n:
+      raise WeightedAccumulationError(
+        f"{what}: its spec {spec} shards dimension {dim} (size "
+        f"{shape[dim]}) over {on}, {n} shards, which do not divide it. "
+        f"Pad that dimension to a multiple of {n}, or shard another one. "
+        f"{hint}"
+      )
+  return spec
+
+
 def bound_axes(x: Any, *, what: str) -> tuple[str, ...]:
   """:func:`axis_names`, each checked to be bound by an enclosing
   ``shard_map``."""
