@@ -63,7 +63,7 @@ def configure(what: str, **kw: Any) -> Roles:
       "and microbatch_size (the rows per microbatch; K = batch size / it)."
     )
   names = validation.argnames(
-    kw["batch_argnames"], what=what, name="batch_argnames"
+    kw["batch_argnames"], what=what, name="batch_argnums"
   )
   batch = kw["batch_argnums"]
   if batch is None:  # the default: argument 1, unless keyword batches given
@@ -82,8 +82,8 @@ def configure(what: str, **kw: Any) -> Roles:
     )
   if not roles["batch_argnums"] and not names:
     raise WeightedAccumulationError(
-      f"{what}: no batch argument to split; pass batch_argnums or "
-      "batch_argnames."
+      f"{what}: no batch argument to split; pass batch_argnums (positions "
+      "or keyword names)."
     )
   _check_disjoint(what, roles)
   split = kw["split"]
@@ -236,12 +236,12 @@ def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
       raise WeightedAccumulationError(
         f"{what}: {name} {nums} but the function was called with "
         f"{len(args)} positional argument(s). Pass the params at argnums "
-        "and the batch at batch_argnums (or by keyword, batch_argnames)."
+        "and the batch at batch_argnums (a position or a keyword name)."
       )
   missing = [n for n in roles.batch_argnames if n not in kwargs]
   if missing:
     raise WeightedAccumulationError(
-      f"{what}: batch_argnames names {missing[0]!r}, but the call has no "
+      f"{what}: batch_argnums names {missing[0]!r}, but the call has no "
       f"such keyword argument (got {sorted(kwargs)})."
     )
 
@@ -258,7 +258,7 @@ def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
       if not 0 <= a < nd:
         raise WeightedAccumulationError(
           f"{what}: {name} leaf {path} has shape {np.shape(x)}, with no "
-          f"batch axis {ax} (in_axes); every batch leaf needs one (pass "
+          f"batch axis {ax} (batch_argnums' axis); every batch leaf needs one (pass "
           "other values as another argument)."
         )
       out.append((f"{name} leaf {path}", x, a, np.shape(x)[a]))
@@ -357,7 +357,7 @@ def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
     (
       f"keyword argument {k!r}",
       v,
-      f"batch_argnames={(*roles.batch_argnames, k)}",
+      f"batch_argnums={(*roles.batch_argnums, *roles.batch_argnames, k)}",
     )
     for k, v in call.kwargs.items()
     if k not in roles.batch_argnames

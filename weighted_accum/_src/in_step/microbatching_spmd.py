@@ -57,7 +57,7 @@ def _param_specs(cfg: Any, params: Any, is_explicit: bool) -> list[Any]:
     specs = treedef.flatten_up_to(cfg.param_specs)
   except (ValueError, TypeError) as e:
     raise WeightedAccumulationError(
-      f"{_WHAT}(param_specs=...): the specs do not match the params' tree "
+      f"{_WHAT}(axis_name=DataParallel(param_specs=...)): the specs do not match the params' tree "
       f"{treedef}: {e}. Pass one PartitionSpec (or None) per param leaf."
     ) from None
   return [P() if spec is None else spec for spec in specs]  # None: replicated
@@ -149,7 +149,7 @@ def _scattered(lay: Layout, state: Any, grads: Any, weight: Any, mean: bool):
 def options(kw: dict) -> dict:
   """``data_axes``, ``param_specs`` and ``fsdp``, validated."""
   data_axes = validation.optional_axis_names(
-    kw["data_axes"], what=f"{_WHAT}(data_axes=...)", name="data_axes"
+    kw["data_axes"], what=f"{_WHAT}(axis_name=...)", name="data_axes"
   )
   return dict(
     data_axes=data_axes,
@@ -228,17 +228,17 @@ def _refuse_roles(cfg: Any) -> None:
   roles, axes = cfg.roles, cfg.data_axes
   if roles.state_argnums:
     raise WeightedAccumulationError(
-      f"{_WHAT}(data_axes={axes}, state_argnums={roles.state_argnums}): "
+      f"{_WHAT}(axis_name={axes}, state_argnums={roles.state_argnums}): "
       "each replica would thread its own state through its rows, and one "
       "returned state cannot hold them. Call f inside jax.shard_map with "
       "axis_name=... and combine the replicas' states yourself."
     )
   if roles.split == "contiguous":
     raise WeightedAccumulationError(
-      f"{_WHAT}(data_axes={axes}, split='contiguous'): each replica would "
+      f"{_WHAT}(axis_name={axes}, split='contiguous'): each replica would "
       "take the k-th block of its own rows, not the batch's k-th block. "
-      "Use split='strided' (microbatch k = rows k::K, the same rows with "
-      "or without data_axes)."
+      "Use split='strided' (microbatch k = rows k::K, the same rows under "
+      "plain jit or inside shard_map)."
     )
 
 
@@ -263,7 +263,7 @@ def _check_batch(cfg, batch: list[_Batch], k: int, n: int, is_explicit: bool):
   for b in batch:
     if b.rows % (n * k) or b.rows != batch[0].rows:
       raise WeightedAccumulationError(
-        f"{_WHAT}(data_axes={axes}): {b.name} has {b.rows} rows along its "
+        f"{_WHAT}(axis_name={axes}): {b.name} has {b.rows} rows along its "
         f"batch axis; each of the {n} replicas splits its rows into "
         f"K={k} microbatches, so every batch leaf needs the same size, "
         f"divisible by {n * k}. Pad the batch (with zero weight)."
@@ -273,7 +273,7 @@ def _check_batch(cfg, batch: list[_Batch], k: int, n: int, is_explicit: bool):
       got = spec[b.axis] if b.axis < len(spec) else None
       if layout_.names(got) != axes:
         raise WeightedAccumulationError(
-          f"{_WHAT}(data_axes={axes}): {b.name} is typed "
+          f"{_WHAT}(axis_name={axes}): {b.name} is typed "
           f"{jax.typeof(b.x)}; its batch axis {b.axis} must be sharded "
           f"over exactly the data axes ({layout_.entry(axes)!r})."
         )
@@ -294,7 +294,7 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   axes = cfg.data_axes
   _refuse_roles(cfg)
   margs.refuse_node_state(
-    f"{_WHAT}(data_axes={axes})",
+    f"{_WHAT}(axis_name={axes})",
     cfg.roles,
     args,
     "each replica would thread its own copy through its rows (as with "
@@ -304,14 +304,14 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   )
   if set(axes) & set(tree_utils.manual_axes()):
     raise WeightedAccumulationError(
-      f"{_WHAT}(data_axes={axes}): called inside a shard_map over these "
+      f"{_WHAT}(axis_name={axes}): called inside a shard_map over these "
       "axes. There, pass axis_name=... instead (this replica's rows)."
     )
   batch = _batch_leaves(cfg, args, kwargs)
   mesh = layout_.find_mesh(
-    [b.x for b in batch], axes, what=f"{_WHAT}(data_axes={axes})"
+    [b.x for b in batch], axes, what=f"{_WHAT}(axis_name={axes})"
   )
-  is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(data_axes=...)")
+  is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(axis_name=...)")
   n = layout_.size(mesh, axes)
   if cfg.roles.num_microbatches is not None:  # the replicas' rule first
     _check_batch(cfg, batch, cfg.roles.num_microbatches, n, is_explicit)
@@ -335,25 +335,25 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
 def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
   """One param's layout, its spec checked against the mesh (the axes it
   names, the dimensions they divide) where it was given."""
-  where = "its type" if is_explicit else "param_specs"
+  where = "its type" if is_explicit else "DataParallel(param_specs=...)"
   if spec is not None:
     validation.spec_on_mesh(
       spec,
       mesh,
       jnp.shape(x),
-      what=f"{_WHAT}(data_axes={axes}): param {path}",
+      what=f"{_WHAT}(axis_name={axes}): param {path}",
       hint=f"The spec is from {where}.",
     )
   e = layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
   others = set().union(*map(layout_.names, spec)) - set(axes) if spec else ()
   if is_explicit and e.scatter and others:
     raise WeightedAccumulationError(
-      f"{_WHAT}(data_axes={axes}): param {path} is typed {spec} on an "
+      f"{_WHAT}(axis_name={axes}): param {path} is typed {spec} on an "
       f"Explicit mesh: sharded over the data axes (FSDP) and over "
       f"{tuple(sorted(others))} too. JAX's reduce-scatter over the data "
       "axes cannot keep another Explicit axis on the gradient. Use an Auto "
       "mesh for it (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))) "
-      "with param_specs=..., or shard this param over the data axes only."
+      "with DataParallel(param_specs=...), or shard this param over the data axes only."
     )
   return e
 

@@ -70,9 +70,9 @@ def in_axes(x: Any, n: int, *, what: str) -> tuple[int, ...]:
     axes = None
   if axes is None or len(axes) != n or not all(map(_is_int, axes)):
     raise WeightedAccumulationError(
-      f"{what}(in_axes={x!r}): expected an int, or a sequence of {n} ints: "
-      "the batch axis of each batch argument (batch_argnums, then "
-      "batch_argnames)."
+      f"{what}(batch_argnums' axes {x!r}): expected an int, or {n} ints: "
+      "the batch axis of each batch argument (a mapping "
+      "{argument: axis} as batch_argnums)."
     )
   return tuple(int(a) for a in axes)
 
@@ -194,7 +194,8 @@ def unsplit_batch(
           f"unchanged to every microbatch although its leading axis has "
           f"the batch's {batch_size} rows (shape {tuple(shape)}). If it is "
           f"part of the batch, pass {fix} so it is split with the rest "
-          "(batch_argnums / batch_argnames); loss_fn's own error is chained "
+          "(batch_argnums takes positions and keyword names); loss_fn's own "
+          "error is chained "
           "below."
         )
   return None
