@@ -10,7 +10,7 @@ Each page of ``docs/api/`` lists the public names of one topic::
 
 and gets a summary table (name, first line of its docstring) followed by
 each name's entry, documented under its public path
-(``weighted_accum.init``, ``weighted_accum.distributed.init``), never under
+(``weighted_accum.init``, ``weighted_accum.distributed.window_specs``), never under
 the private module that defines it. A submodule lists the names of its
 ``__all__`` that are not also exported at the top level (those are
 documented once, under their top-level name).
