@@ -198,9 +198,9 @@ class WeightedMultiSteps:
       (``out_specs=P()``). ``grads`` may be local
       (:func:`weighted_accum.distributed.local_grad`) or already summed by
       autodiff. Leave it ``None`` under ``jax.jit`` over sharded global
-      arrays. For one all-reduce per window, accumulate per replica with
-      :mod:`weighted_accum.distributed` and close with
-      ``apply_window(..., axis_name=...)``.
+      arrays. For one all-reduce per window, make the window per replica
+      with ``wa.init(params, axis_name=...)``, accumulate into it and close
+      it with ``wa.apply_window``.
     skip_nonfinite_updates: also skip a window whose inner updates come out
       NaN/Inf (see above).
 

@@ -470,7 +470,9 @@ def _check_call(cfg: Config, state: Any, weight: Any, next_ls: Any) -> Any:
       "WeightedMultiSteps.update: weight= is required (the microbatch's "
       "item count: tokens, samples). With flax's TrainState, whose "
       "apply_gradients does not forward it to tx.update, use "
-      "weighted_accum.TrainState; with optax.chain, pass it as "
+      "weighted_accum.TrainState; inside optax.chain, put "
+      "WeightedMultiSteps(...).gradient_transformation() in the chain (the "
+      "chain forwards weight= only to that form) and pass "
       "update(..., weight=n)."
     )
   if next_ls is None:

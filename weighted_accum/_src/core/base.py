@@ -122,8 +122,11 @@ class AccumState(struct.PyTreeNode):
     weight_lo: float32, the rounding error of ``weight_hi`` (exact tally).
     loss_scale: float32, the loss scale of this window.
     dtype: the work dtype (static).
-    placement: what the window is (static, a :class:`Placement`): global,
-      per replica over named axes, or stacked per replica.
+    placement: what the window is (static): a named tuple ``(kind, axes,
+      reduce)``; ``kind`` is ``"global"``, ``"replica"`` (inside
+      ``shard_map`` over ``axes``) or ``"stacked"`` (per replica, carried
+      between jitted steps), ``reduce`` is ``"window"`` or
+      ``"microbatch"``. Set by :func:`~weighted_accum.init`.
 
   Example:
     >>> import jax.numpy as jnp
