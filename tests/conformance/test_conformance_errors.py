@@ -150,26 +150,34 @@ def test_loss_fn_of_the_wrong_shape_is_named(case, context):
 
 
 def test_apply_window_on_a_per_replica_window_in_shard_map():
-  """A window from ``distributed.init`` holds per-replica sums: applying it
-  without a reduction would be wrong; refused, pointing at
-  ``distributed.finish_mean``."""
+  """A per-replica window (``wa.init(..., axis_name=...)`` inside
+  ``shard_map``) holds per-replica sums; ``apply_window`` reads that from
+  the window and reduces them once: every replica applies the global mean
+  (8 replicas of the same grads at weight 1: the mean is G)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
   def step(p, g):
     g = jax.tree.map(lambda x: x[0], g)
     s = wa.accumulate_sum(wa.init(p, axis_name="data"), g, 1.0)
     new, _, _, out = wa.apply_window(TX, s, p, TX.init(p))
-    return new, out.valid
+    return new, out.valid, out.weight
 
   local = {k: np.stack([v] * 8) for k, v in G.items()}
   f = jax.shard_map(
     step,
     mesh=mesh,
     in_specs=(P(), P("data")),
-    out_specs=(P(), P()),
+    out_specs=(P(), P(), P()),
   )
-  with pytest.raises(Error, match="apply_window"):
-    jax.jit(f)(P0, local)
+  new, valid, weight = jax.jit(f)(P0, local)
+  assert bool(valid) and float(weight) == 8.0
+  ref = TX.update(
+    {k: np.asarray(v, np.float32) for k, v in G.items()}, TX.init(P0), P0
+  )[0]
+  for k in G:
+    np.testing.assert_allclose(
+      np.asarray(new[k]) - np.asarray(P0[k]), ref[k], rtol=1e-6, atol=1e-7
+    )
 
 
 # ---------------------------------------------------------- checkpoints --

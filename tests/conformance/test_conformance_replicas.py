@@ -263,9 +263,13 @@ def test_window_specs_carry_a_stacked_window_through_shard_map():
 
 
 @pytest.mark.parametrize("axis_name", [3, "", None, ("data", 3)])
-def test_window_specs_refuses_a_bad_axis_name(axis_name):
-  with pytest.raises(Error, match=r"window_specs: axis_name="):
-    dist.window_specs(wa.init(_on_mesh(host_params()), axis_name="data"))
+def test_window_specs_reads_the_axes_from_the_window(axis_name):
+  """The window knows its axes: a second argument is the removed 0.x
+  spelling, refused naming the new one."""
+  state = wa.init(_on_mesh(host_params()), axis_name="data")
+  assert dist.window_specs(state).weight_hi == P("data")
+  with pytest.raises(Error, match=r"call window_specs\(state\)"):
+    dist.window_specs(state, axis_name)
 
 
 @pytest.mark.parametrize("kind", ["params", "unstacked"])

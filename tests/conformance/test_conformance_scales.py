@@ -156,14 +156,6 @@ ENTRIES = {
     ],
     r"WeightedMultiSteps\(loss_scale",
   ),
-  "weighted_multi_steps": (
-    lambda v: wa.window_counters(
-      wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean", loss_scale=v).init(
-        _params()
-      )
-    )["loss_scale"],
-    r"weighted_multi_steps\(loss_scale",
-  ),
   "update": (_update, r"update\(next_loss_scale"),
   "TrainState.apply_gradients": (_train_state, r"next_loss_scale"),
   "microbatched_value_and_grad": (
@@ -208,8 +200,13 @@ SCALE_CASES = [
   "entry,scale", SCALE_CASES, ids=[f"{e}-{sc[0]}" for e, sc in SCALE_CASES]
 )
 def test_concrete_scale_stored_or_refused(entry, scale):
-  _, make, ref = scale
+  name, make, ref = scale
   store, needle = ENTRIES[entry]
+  if entry == "from_buffers" and name == "nan":
+    # A window made unusable under jit (a NaN scale) is reattached as it
+    # was saved: what the library writes, it restores (docs/inputs.md).
+    assert np.isnan(float(store(make())))
+    return
   if not scale_ok(ref):
     with pytest.raises(Error, match=needle):
       store(make())

@@ -533,8 +533,8 @@ def test_shard_map_aux_per_replica_and_accumulate_into_a_replica_window():
   assert rel_err(out.grads, ref) <= 1e-5
   g = wa.microbatched_value_and_grad(sum_loss, 2, axis_name="data", mode="sum")
 
-  def two_calls(p, b):  # a plain wa.init window, finished once per replica
-    st = wa.init(p)
+  def two_calls(p, b):  # this replica's window, reduced once at its close
+    st = wa.init(p, axis_name="data")
     (_, n1), st = g.accumulate(st, p, b)
     (_, n2), st = g.accumulate(st, p, jax.tree.map(lambda x: x[::-1], b))
     out, _ = wa.finish_mean(st)
@@ -641,7 +641,7 @@ def test_nnx_state_params_and_tuple_argnums():
     ({}, "ragged", "rows"),
     (dict(split="strided"), "n_real", r"num_real_microbatches=5 must be"),
     ({}, "n_real", "name the split"),
-    (dict(axis_name="data"), "batch", "not bound"),
+    (dict(axis_name="data"), "batch", "not on a mesh with the axes"),
   ],
 )
 def test_errors_say_what_and_where(kwargs, call, match):
