@@ -67,14 +67,14 @@ from weighted_accum._src.errors import (
   WeightedAccumulationError as WeightedAccumulationError,
 )
 
-# Inside one jitted step: a loop over the microbatches of a global batch.
-from weighted_accum._src.in_step.microbatching import (
-  microbatched_value_and_grad as microbatched_value_and_grad,
-)
-
 # In-step microbatching through optax.microbatching.
 from weighted_accum._src.in_step.optax_microbatching import (
   optax_accumulator as optax_accumulator,
+)
+
+# Inside one jitted step: a loop over the microbatches of a global batch.
+from weighted_accum._src.in_step.value_and_grad import (
+  microbatched_value_and_grad as microbatched_value_and_grad,
 )
 
 # The one version string is pyproject.toml's; installed metadata carries it.

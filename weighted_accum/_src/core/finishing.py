@@ -13,7 +13,6 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-import numpy as np
 import optax
 
 from weighted_accum._src import validation
@@ -116,20 +115,6 @@ def finish_sums(
   return _finish_kernel(state, ls, mean=False)
 
 
-def refuse_empty(state: AccumState, what: str = "finish_mean") -> None:
-  """Eagerly refuses a concrete window of zero total weight (there is no
-  mean to take; nothing is cleared)."""
-  total = state.total_weight
-  if not total > 0:
-    raise WeightedAccumulationError(
-      f"{what}: the window's total weight is {total!r} after "
-      f"{int(np.sum(state.issued))} microbatch(es) ({int(np.sum(state.zero_weight))} of "
-      f"weight 0, {int(np.sum(state.rejected))} rejected), so there is no mean to "
-      "take. Nothing was cleared: accumulate more microbatches, or use "
-      "finish_sums to hand zero sums to a cross-replica reduction."
-    )
-
-
 def finish_mean(
   state: AccumState,
   *,
@@ -178,7 +163,7 @@ def finish_mean(
   ls = _next_scale(state, next_loss_scale, "finish_mean")
   checked = validation.static_flag(checked, what="finish_mean(checked=...)")
   if not tree_utils.is_traced(state.weight_hi):
-    refuse_empty(state)
+    validation.nonempty_window(state, what="finish_mean")
   if state.placement.kind != base.GLOBAL:  # reduced once, as placed
     return distributed.finish(state, ls, "finish_mean")
   if checked and tree_utils.is_traced(state.weight_hi):

@@ -101,7 +101,7 @@ def peek_mean(
   """
   st = _window(state, "peek_mean")
   if not tree_utils.is_traced(st.weight_hi):
-    finishing.refuse_empty(st, "peek_mean")
+    validation.nonempty_window(st, what="peek_mean")
   pl = st.placement
   if pl.kind == base.STACKED and not replicas.bound(pl.axes):
     return _peek_stacked(st, pl.axes)

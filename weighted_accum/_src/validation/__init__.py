@@ -94,6 +94,9 @@ from weighted_accum._src.validation.values import Weight as Weight
 from weighted_accum._src.validation.values import host_number as host_number
 from weighted_accum._src.validation.values import loss_scale as loss_scale
 from weighted_accum._src.validation.values import (
+  nonempty_window as nonempty_window,
+)
+from weighted_accum._src.validation.values import (
   optional_loss_scale as optional_loss_scale,
 )
 from weighted_accum._src.validation.values import scale_ok as scale_ok

@@ -280,3 +280,19 @@ def scale_ok(ls: jax.Array) -> jax.Array:
   """A stored loss scale is usable: finite, positive and normal."""
   ls = jnp.asarray(ls)
   return jnp.isfinite(ls) & (ls > 0) & numerics.is_normal_or_zero(ls)
+
+
+def nonempty_window(state: Any, *, what: str) -> None:
+  """Eagerly refuses a concrete window of zero total weight (there is no
+  mean to take; nothing is cleared). A stacked window's counts are summed
+  over its replicas."""
+  total = state.total_weight
+  if not total > 0:
+    count = lambda name: int(np.sum(getattr(state, name)))
+    raise WeightedAccumulationError(
+      f"{what}: the window's total weight is {total!r} after "
+      f"{count('issued')} microbatch(es) ({count('zero_weight')} of weight "
+      f"0, {count('rejected')} rejected), so there is no mean to take. "
+      "Nothing was cleared: accumulate more microbatches, or use "
+      "finish_sums to hand zero sums to a cross-replica reduction."
+    )
