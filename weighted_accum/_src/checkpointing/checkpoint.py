@@ -154,6 +154,39 @@ def _host_counters(s: AccumState) -> dict[str, np.ndarray]:
   }
 
 
+def _check_restorable(s: AccumState, shown: str) -> None:
+  """Refuses to save a window that :class:`AccumRestore` would refuse (the
+  same checks of its counters and buffers), so what is saved restores.
+
+  Under ``jit`` a traced invalid loss scale (``set_loss_scale``,
+  ``next_loss_scale``) leaves the window's scale NaN: the window is unusable
+  until a close with a valid ``next_loss_scale`` (``docs/inputs.md``). Such
+  a window is not saved: restoring it could only refuse it."""
+  counters = _host_counters(s)
+  try:
+    valid = validation.saved_counters(
+      counters,
+      base.COUNTERS,
+      lambda name: base.dtype_of(name, s.dtype),
+      what="counters",
+    )
+    grads = jax.tree.map(_unwrap, s.grads)
+    accumulation.from_buffers(grads, grads, valid)
+  except WeightedAccumulationError as e:
+    hint = ""
+    if not np.isfinite(counters["loss_scale"]):
+      hint = (
+        " Its loss scale is NaN: an invalid traced loss scale (set_loss_scale "
+        "or next_loss_scale under jit) made the window unusable. Close it "
+        "with a valid next_loss_scale (finish_mean, apply_window, the "
+        "wrapper's update) or set_loss_scale on an empty window, then save."
+      )
+    raise WeightedAccumulationError(
+      f"AccumSave: the AccumState at {shown} cannot be restored ({e}), so it "
+      f"is not saved; nothing was written.{hint}"
+    ) from e
+
+
 @dataclasses.dataclass
 class AccumSave(ocp.args.CheckpointArgs):
   """Saves an ``AccumState`` (or a pytree holding some) as one Orbax item.
@@ -250,8 +283,10 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       Commit futures that finish the write.
 
     Raises:
-      WeightedAccumulationError: for a traced state, or one whose buffers
-        are not all in its work dtype.
+      WeightedAccumulationError: for a traced state, one whose buffers are
+        not all in its work dtype, or one whose counters a restore would
+        refuse (e.g. the NaN loss scale of a window made unusable under
+        ``jit``); nothing is written.
     """
     if not isinstance(args, AccumSave):
       raise WeightedAccumulationError(
@@ -276,6 +311,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         "AccumSave: the state holds traced values; save a concrete state "
         "outside jit."
       )
+    for shown, s in _accum_nodes(tree).values():
+      _check_restorable(s, shown)
     saveable = _split(tree, _host_counters)
     options = {
       OPTIONS_KEY: {"format_version": FORMAT_VERSION, "states": states}
