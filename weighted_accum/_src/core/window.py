@@ -329,10 +329,10 @@ def window_mark(
   a float32 mark (:func:`numerics.range_mark`) that is NaN when a pending
   sum is NaN/Inf, else +Inf when the result (``check``: the sums, the sums
   divided by the loss scale, or the mean) does not fit the work dtype,
-  else 0. The division is
-  :func:`divide`'s, so what is read is what a close applies (in the work
-  dtype: a close that hands the optimizer a wider mean decides alike), and
-  it is fused into the read: nothing is written."""
+  else 0. The division is :func:`divide`'s, so what is read is what a
+  close applies (in the work dtype: a close that hands the optimizer a
+  wider mean decides alike), and it is fused into the read: nothing is
+  written."""
   if check == "sums":
     return numerics.tree_mark(sums)
   divisor = weight if check == "mean" else jnp.ones_like(weight)
@@ -366,9 +366,9 @@ def result(
   the donated sums before would make XLA copy them); otherwise ``grads`` is
   ``sums`` and ``check`` (default ``"sums"``) says what is read.
 
-  With ``when`` (a traced bool; not with ``mean``) the sums are
-  read only where it is true, inside a ``lax.cond`` whose only output is
-  the mark (see :func:`gated_mark`); elsewhere the result says valid.
+  With ``when`` (a traced bool; not with ``mean``) the sums are read only
+  where it is true, inside a ``lax.cond`` whose only output is the mark
+  (see :func:`gated_mark`); elsewhere the result says valid.
   """
   loss_scale = jnp.asarray(loss_scale)
   usable = validation.scale_ok(loss_scale)
