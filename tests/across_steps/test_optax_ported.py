@@ -689,12 +689,13 @@ def _all_equivalence(module):
 def test_weight_one_equals_multisteps_unequal_equals_full_batch(module, i):
   ours, theirs, weighted, reference = _all_equivalence(module)[i]
   # Weight 1: every step's updates are MultiSteps' (zeros mid-window). The
-  # window mean is rounded differently (one division vs optax's running
-  # mean): rtol 1e-6, and an absolute 2 float32 ulps of the params (~1),
-  # because schedule-free updates are differences of param-sized values.
+  # window mean is rounded differently (a multiplication by the weight's
+  # reciprocal vs optax's running mean): rtol 1e-6, and an absolute 4
+  # float32 ulps of the params (~1), because schedule-free updates are
+  # differences of param-sized values (and adagrad's at lr 1 amplify).
   for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
     np.testing.assert_allclose(
-      np.asarray(a), np.asarray(b), rtol=1e-6, atol=2.5e-7
+      np.asarray(a), np.asarray(b), rtol=1e-6, atol=5e-7
     )
   # Unequal weights: after each window, the full-batch reference's params.
   at_close = jax.tree.map(lambda p: p[K - 1 :: K], weighted)
