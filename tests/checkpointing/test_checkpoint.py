@@ -30,6 +30,7 @@ import pytest
 
 import _ckpt_child as child
 import weighted_accum as wa
+from weighted_accum._src.checkpointing import checkpoint as checkpoint_impl
 from weighted_accum.checkpoint import AccumCheckpointHandler
 
 CHILD = pathlib.Path(__file__).parents[1] / "_ckpt_child.py"
@@ -468,6 +469,42 @@ def test_state_without_buffers_keeps_its_work_dtype(tmp_path):
   assert jax.tree.structure(got) == jax.tree.structure(state)
 
 
+@pytest.mark.parametrize("template_dtype", ["float32", "float16"])
+def test_refuses_a_state_without_buffers_of_another_work_dtype(
+  tmp_path, template_dtype
+):
+  """A window without buffers has no leaf whose dtype could tell: the saved
+  work dtype option alone refuses to restore a bfloat16 window as another
+  (concrete and abstract templates)."""
+  _save(tmp_path / "accum", wa.init({}, dtype=BF16))
+  for template in (
+    wa.init({}, dtype=template_dtype),
+    wa.checkpoint.abstract_state({}, template_dtype),
+  ):
+    _assert_refused(tmp_path / "accum", template, "bfloat16", template_dtype)
+
+
+def test_save_refuses_what_restore_would_refuse(tmp_path):
+  """A traced invalid next_loss_scale leaves the next window unusable (NaN
+  scale). AccumSave refuses it, naming the cause and the fix, and writes
+  nothing; after a close with a valid scale the state saves and restores."""
+  state = wa.accumulate_sum(wa.init({"w": jnp.zeros(2)}), {"w": jnp.ones(2)}, 2)
+  close = jax.jit(lambda s, x: wa.finish_mean(s, next_loss_scale=x))
+  _, unusable = close(state, jnp.float32(-1.0))
+  assert np.isnan(float(unusable.loss_scale))
+  with pytest.raises(wa.WeightedAccumulationError) as info:
+    _save(tmp_path / "bad", unusable)
+  msg = str(info.value)
+  for needle in ("AccumSave", "'loss_scale'", "NaN", "next_loss_scale"):
+    assert needle in msg, (needle, msg)
+  assert not (tmp_path / "bad").exists()
+  _, usable = jax.jit(wa.finish_sums)(unusable, next_loss_scale=jnp.float32(8))
+  _save(tmp_path / "good", usable)
+  got = _restore(tmp_path / "good", usable)
+  assert float(got.loss_scale) == 8.0
+  assert int(got.windows) == int(usable.windows)
+
+
 def test_refuses_a_python_scalar_of_another_type(tmp_path):
   # A float saved where the template holds an int would come back truncated
   # (7.5 -> 7) if not refused.
@@ -480,6 +517,16 @@ def test_refuses_a_python_scalar_of_another_type(tmp_path):
     "float64",
     "int64",
   )
+
+
+def _save_unchecked(path, tree, monkeypatch) -> None:
+  """Writes ``tree`` although AccumSave refuses it (AccumSave checks what
+  AccumRestore checks): a corrupt or foreign checkpoint."""
+  with pytest.raises(wa.WeightedAccumulationError, match="AccumSave"):
+    _save(path, tree)
+  with monkeypatch.context() as m:
+    m.setattr(checkpoint_impl, "_check_restorable", lambda *_: None)
+    _save(path, tree)
 
 
 @pytest.mark.parametrize(
@@ -496,21 +543,21 @@ def test_refuses_a_python_scalar_of_another_type(tmp_path):
     ("loss_scale", -2.0, "'loss_scale'"),
   ],
 )
-def test_refuses_invalid_counters(saved, field, value, needle):
+def test_refuses_invalid_counters(saved, field, value, needle, monkeypatch):
   path, params, state = saved
   bad = state.replace(
     **{field: jnp.asarray(value, getattr(state, field).dtype)}
   )
-  _save(path.with_name("bad"), bad)
+  _save_unchecked(path.with_name("bad"), bad, monkeypatch)
   _assert_refused(
     path.with_name("bad"), wa.init(params, BF16), needle, "counters"
   )
 
 
-def test_refuses_nonzero_buffers_with_zero_weight(saved):
+def test_refuses_nonzero_buffers_with_zero_weight(saved, monkeypatch):
   path, params, state = saved
   bad = state.replace(weight_hi=jnp.float32(0), weight_lo=jnp.float32(0))
-  _save(path.with_name("bad"), bad)
+  _save_unchecked(path.with_name("bad"), bad, monkeypatch)
   _assert_refused(
     path.with_name("bad"), wa.init(params, BF16), "total weight is 0"
   )

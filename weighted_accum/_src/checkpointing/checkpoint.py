@@ -41,6 +41,31 @@ __all__ = [
 ]
 
 
+def _check_restorable(s: AccumState, shown: str) -> None:
+  """Refuses to save a global window that :class:`AccumRestore` would
+  refuse (the same checks of its counters and buffers), so what is saved
+  restores; per-replica windows are checked replica by replica on restore.
+  A window made unusable under ``jit`` (a NaN loss scale) is saved and
+  restores as it was (``docs/inputs.md``)."""
+  if s.placement.kind != base.GLOBAL:
+    return
+  counters = sf.host_counters(s)
+  try:
+    valid = validation.saved_counters(
+      counters,
+      base.COUNTERS,
+      lambda name: base.dtype_of(name, s.dtype),
+      what="counters",
+    )
+    grads = jax.tree.map(sf.unwrap, s.grads)
+    accumulation.from_buffers(grads, grads, valid)
+  except WeightedAccumulationError as e:
+    raise WeightedAccumulationError(
+      f"AccumSave: the AccumState at {shown} cannot be restored ({e}), so it "
+      "is not saved; nothing was written."
+    ) from e
+
+
 @dataclasses.dataclass
 class AccumSave(ocp.args.CheckpointArgs):
   """Saves an ``AccumState`` (or a pytree holding some) as one Orbax item.
@@ -137,8 +162,10 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       Commit futures that finish the write.
 
     Raises:
-      WeightedAccumulationError: for a traced state, or one whose buffers
-        are not all in its work dtype.
+      WeightedAccumulationError: for a traced state, one whose buffers are
+        not all in its work dtype, or one whose counters a restore would
+        refuse (e.g. the NaN loss scale of a window made unusable under
+        ``jit``); nothing is written.
     """
     if not isinstance(args, AccumSave):
       raise WeightedAccumulationError(
@@ -166,6 +193,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         "AccumSave: the state holds traced values; save a concrete state "
         "outside jit."
       )
+    for shown, s in sf.accum_nodes(tree).values():
+      _check_restorable(s, shown)
     saveable = sf.split(tree, sf.host_counters)
     options = {
       sf.OPTIONS_KEY: {"format_version": sf.FORMAT_VERSION, "states": states}

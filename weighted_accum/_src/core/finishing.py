@@ -328,6 +328,9 @@ def apply_window(
   so the next window starts clean; a window of zero total weight (every
   microbatch fully masked) stays open with its counters (it has nothing to
   apply and nothing to lose). Neither raises, eagerly or under ``jit``.
+  ``out.valid`` is exactly what :func:`finish_mean` would say: a mean
+  beyond the work dtype is not applied either, although the optimizer
+  would get it in a wider dtype (one decision for every close).
 
   It also takes, in place of ``state``, the ``out`` of
   :func:`~weighted_accum.microbatched_value_and_grad` (a window closed in

@@ -112,7 +112,8 @@ def mean_contribution(g: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
 
 
 def computed_once(x: jax.Array) -> jax.Array:
-  """``x`` (a scalar), computed once for all the loops that read it.
+  """``x`` (a scalar or a small vector), computed once for all the loops
+  that read it.
 
   XLA:CPU copies the whole computation of a scalar into every fused loop
   that reads it (a weight's validity checks: ~60 instructions in each
@@ -120,7 +121,7 @@ def computed_once(x: jax.Array) -> jax.Array:
   that comes out of a reduction over a small vector is computed once and
   read by each loop. The same value either way (``max`` of copies of ``x``).
   """
-  return jnp.max(jnp.broadcast_to(x, (2, 2)), axis=0)[0]
+  return jnp.max(jnp.broadcast_to(x, (2, 2) + jnp.shape(x)), axis=0)[0]
 
 
 # ------------------------------------------------------------------ bits --
@@ -160,13 +161,6 @@ def _zero_or_nan(x: jax.Array) -> jax.Array:
   return x - x
 
 
-def _nan_only(x: jax.Array) -> jax.Array:
-  """NaN where ``x`` is NaN, else 0 (``min(|x|, max)`` is finite for Inf)."""
-  top = jnp.asarray(jnp.finfo(x.dtype).max, x.dtype)
-  clipped = jnp.minimum(jnp.abs(x), top)
-  return clipped - clipped
-
-
 def nonfinite_mark(x: jax.Array) -> jax.Array:
   """A float32 scalar: 0 when every value of ``x`` is finite, NaN when one is
   NaN or Inf (0 for an empty array).
@@ -182,17 +176,32 @@ def nonfinite_mark(x: jax.Array) -> jax.Array:
   return jnp.sum(_zero_or_nan(x), dtype=jnp.float32)
 
 
-def nan_mark(x: jax.Array) -> jax.Array:
-  """A float32 scalar: NaN when a value of ``x`` is NaN, else 0 (Inf does
-  not count: ``min(|x|, max)`` is finite for it). Composes as
-  :func:`nonfinite_mark`."""
+def _inf_or_nan(x: jax.Array) -> jax.Array:
+  """0 where ``x`` is finite, +Inf where it is +-Inf, NaN where it is NaN
+  (``|x| - min(|x|, max)``). A computed ``x`` must be cheap (a product,
+  not a quotient) for XLA to fuse it into the reduction: it reads ``x``
+  twice, and XLA writes out an expensive one first."""
+  a = jnp.abs(x)
+  return a - jnp.minimum(a, jnp.asarray(jnp.finfo(x.dtype).max, x.dtype))
+
+
+def range_mark(x: jax.Array) -> jax.Array:
+  """A float32 scalar: NaN when a value of ``x`` is NaN, else +Inf when one
+  is +-Inf, else 0 (0 for an empty array). Composes as
+  :func:`nonfinite_mark` (its terms are never negative, so NaN and Inf
+  survive any sum): one read tells a NaN (a non-finite pending value, see
+  ``window.divide``) from an Inf (a result out of its
+  dtype's range)."""
   x = jnp.asarray(x)
   if x.size == 0:
     return jnp.zeros((), jnp.float32)
-  return jnp.sum(_nan_only(x), dtype=jnp.float32)
+  return jnp.sum(_inf_or_nan(x), dtype=jnp.float32)
 
 
-_ELEMENTWISE = {nonfinite_mark: _zero_or_nan, nan_mark: _nan_only}
+_ELEMENTWISE = {
+  nonfinite_mark: _zero_or_nan,
+  range_mark: _inf_or_nan,
+}
 # Leaves of at most this many elements are marked together (see tree_mark);
 # larger ones are reduced on their own (XLA's reduction emitter).
 _SMALL = 1 << 16

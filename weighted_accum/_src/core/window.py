@@ -40,37 +40,83 @@ def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
   return (weight > 0) & jnp.isfinite(weight) & validation.scale_ok(loss_scale)
 
 
+#: Divisors above this are scaled down with their dividend (see _divisors).
+_BIG = 2.0**64
+
+
+def _divisors(
+  loss_scale: jax.Array, weight: jax.Array, ct: Any, check: bool
+) -> tuple[jax.Array, jax.Array]:
+  """The factors ``(f1, f2)`` in ``ct`` that a leaf ``x`` is multiplied by
+  in this order, ``(x * f1) * f2``, to divide it by the loss scale, then by
+  the weight.
+
+  Each division is a multiplication by a reciprocal (as XLA compiles a
+  division by a scalar anyway; within an ulp of it): cheap enough for XLA
+  to fuse into every loop that reads the result (an optimizer's), where a
+  division of each element would be written out first. ``f1`` is ``1 /
+  loss_scale`` and ``f2`` is ``1 / weight``, never their product (which
+  overflows or underflows at float32's edges), but that a reciprocal above
+  ``2**126`` would be subnormal, flushed to zero: a divisor above ``2**64``
+  is divided by ``2**64`` in its own factor and the ``2**-64`` moves to the
+  other one (exact; a factor is subnormal only when both divisors exceed
+  ``2**62``). Each factor ends in a division, which XLA computes once
+  rather than copying the scalar work into every leaf's loop. With
+  ``check``, where the divisors are unusable ``f1`` is 0 and ``f2`` 1.
+  """
+  ls, w = loss_scale.astype(ct), weight.astype(ct)
+  one, zero = jnp.ones((), ct), jnp.zeros((), ct)
+  ok = usable_divisors(loss_scale, weight) if check else w > 0
+  ls, w = jnp.where(ok, ls, one), jnp.where(ok, w, one)
+  # Powers of two picked by selects, one division per factor: XLA
+  # reassociates products and quotients of scalars (``(a / b) / (c / d)``
+  # becomes ``(a * d) / (b * c)``), which could overflow here.
+  small = jnp.asarray(1.0 / _BIG, ct)
+  down_ls = jnp.where(ls > _BIG, small, one)
+  big_w = w > _BIG
+  keep = jnp.where(ok, jnp.where(big_w, small, one), zero)
+  return keep / (ls * down_ls), down_ls / (w * jnp.where(big_w, small, one))
+
+
 def divide(
   sums: Any,
   loss_scale: jax.Array,
   weight: jax.Array,
   *,
   wide: bool = False,
-  mark_nonfinite: bool = False,
   usable: bool = False,
 ) -> Any:
-  """``(sums / loss_scale) / weight`` per leaf; zeros where the divisors are
-  not usable.
+  """``(sums / loss_scale) / weight`` per leaf: 0 where the divisors are not
+  usable, NaN where the sum was NaN or Inf (so the result alone tells a
+  non-finite pending value, NaN, from an overflow of the mean, Inf).
 
-  Sequential division in at least float32, never by ``loss_scale * weight``
-  (which can overflow float16). Each result leaf has its sum's dtype, or with
-  ``wide`` the compute dtype (at least float32: when ``weight * loss_scale <
-  1`` the mean can exceed float16's range although the sums do not). With
-  ``mark_nonfinite`` the result is NaN where the sum was NaN or Inf, so the
-  result alone tells a non-finite pending value (NaN) from an overflow of the
-  mean (Inf). ``usable=True`` skips the divisor check where the caller knows
-  them usable (inside a ``lax.cond`` on a valid window): XLA would otherwise
-  copy the scalar check into every leaf's fused loop.
+  Two divisions in at least float32, in this order, never one by
+  ``loss_scale * weight``: the product overflows or underflows float32 at
+  its edges (a scale of ``2**-126`` and a weight of ``0.5``; ``2**100`` and
+  ``1e10``) where the two divisions do not. XLA rewrites ``(a / b) / c``
+  into ``a / (b * c)``; here each division is a multiplication by its own
+  reciprocal (:func:`_divisors`), which XLA keeps apart
+  (``tests/xla/test_division_order.py`` reads the compiled program).
+  Arithmetic, not selects: XLA:CPU fuses it into a reduction that reads
+  the result (a select it writes out first).
+
+  Each result leaf has its sum's dtype, or with ``wide`` the compute dtype
+  (at least float32: when ``weight * loss_scale < 1`` the mean can exceed
+  float16's range although the sums do not). ``usable=True`` (inside a
+  ``lax.cond`` on a valid window: finite sums, usable divisors) skips the
+  divisor check and the NaN marks.
   """
-  ok = True if usable else usable_divisors(loss_scale, weight)
+  factors = {}
 
   def one(b):
     ct = numerics.compute_dtype(b.dtype)
-    g = (b.astype(ct) / loss_scale.astype(ct)) / weight.astype(ct)
+    if ct not in factors:
+      factors[ct] = _divisors(loss_scale, weight, ct, check=not usable)
+    f1, f2 = factors[ct]
+    x = b.astype(ct)
+    g = (x * f1) * f2
     if not usable:
-      g = jnp.where(ok, g, jnp.zeros((), ct))
-    if mark_nonfinite:
-      g = jnp.where(jnp.isfinite(b), g, jnp.asarray(jnp.nan, ct))
+      g = g + (x - x)  # NaN where the sum is NaN or Inf
     return g if wide else g.astype(b.dtype)
 
   return jax.tree.map(one, sums)
@@ -228,9 +274,11 @@ def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
   return tuple(lax.psum(marks, axes))
 
 
-def gated_marks(tree: Any, when: jax.Array | None) -> tuple[jax.Array]:
-  """``(mark,)``: the global finiteness mark of ``tree`` (see
-  :func:`global_marks`), read only where ``when`` is true (0 elsewhere).
+def gated_mark(
+  sums: Any, mark: Callable[[Any], jax.Array], when: jax.Array | None
+) -> jax.Array:
+  """The global mark ``mark(sums)`` (see :func:`global_marks`), read only
+  where ``when`` is true (0 elsewhere).
 
   The read runs in a ``lax.cond`` whose outputs are one scalar: a step that
   closes a window only sometimes (the optax wrapper) does not read its
@@ -239,14 +287,13 @@ def gated_marks(tree: Any, when: jax.Array | None) -> tuple[jax.Array]:
   at its boundary by XLA's copy insertion, whose cost grows faster than the
   number of leaves)."""
   if when is None:
-    return global_marks((numerics.tree_mark(tree),))
-  mark = lax.cond(
+    return global_marks((mark(sums),))[0]
+  return lax.cond(
     when,
-    lambda t: global_marks((numerics.tree_mark(t),))[0],
+    lambda t: global_marks((mark(t),))[0],
     lambda t: jnp.zeros((), jnp.float32),
-    tree,
+    sums,
   )
-  return (mark,)
 
 
 def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
@@ -260,6 +307,30 @@ def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
 # ---------------------------------------------------------------- result --
 
 
+#: What a window's validity is read from (``result``'s ``check``): the
+#: pending sums (``finish_sums``), the sums divided by the loss scale (a
+#: close that applies the sum), or the mean.
+CHECKS = ("sums", "unscaled", "mean")
+
+
+def window_mark(
+  sums: Any, loss_scale: jax.Array, weight: jax.Array, check: str
+) -> jax.Array:
+  """The one validity read of a window (local; see :func:`global_marks`):
+  a float32 mark (:func:`numerics.range_mark`) that is NaN when a pending
+  sum is NaN/Inf, else +Inf when the result (``check``: the sums, the sums
+  divided by the loss scale, or the mean) does not fit the work dtype,
+  else 0. The division is :func:`divide`'s, so what is read is what a
+  close applies (in the work dtype: a close that hands the optimizer a
+  wider mean decides alike), and it is fused into the read: nothing is
+  written."""
+  if check == "sums":
+    return numerics.tree_mark(sums)
+  divisor = weight if check == "mean" else jnp.ones_like(weight)
+  divided = divide(sums, loss_scale, divisor)
+  return numerics.tree_mark(divided, numerics.range_mark)
+
+
 def result(
   sums: Any,
   weight: jax.Array,
@@ -268,6 +339,7 @@ def result(
   *,
   mean: bool,
   require_weight: bool,
+  check: str | None = None,
   when: jax.Array | None = None,
 ) -> AccumulatedGradients:
   """What a finish returns, from the (global) sums and weight.
@@ -275,44 +347,41 @@ def result(
   ``finite`` says every PENDING sum is finite: what a dynamic loss scaler
   reacts to (a mean that overflows float16 because ``weight * loss_scale <
   1`` is no reason to lower the scale). ``valid`` is ``finite``, a usable
-  loss scale, with ``require_weight`` a positive finite ``weight``, and with
-  ``mean`` a result that is finite in the work dtype.
+  loss scale, with ``require_weight`` a positive finite ``weight``, and
+  unless ``check == "sums"`` a divided result (:func:`window_mark`) that
+  fits the work dtype: one decision for every close, whether it returns
+  the mean (``finish_mean``) or applies it (``close``).
 
-  Both flags come from NaN-safe marks read AFTER the result is written
-  (reading the donated sums before would make XLA copy them): with ``mean``
-  the result is NaN exactly where a sum was non-finite
-  (``divide(..., mark_nonfinite=True)``), so a NaN is a non-finite pending
-  value and an Inf an overflow of the mean.
+  With ``mean`` ``grads`` is the mean (NaN where a pending sum was NaN/Inf)
+  and the mark (``check == "mean"``) is read AFTER it is written (reading
+  the donated sums before would make XLA copy them); otherwise ``grads`` is
+  ``sums`` and ``check`` (default ``"sums"``) says what is read.
 
-  With ``when`` (a traced bool; ``mean=False`` only) the sums are read only
-  where it is true, inside a ``lax.cond`` whose only outputs are the marks
-  (see :func:`gated_marks`); elsewhere the result says finite.
+  With ``when`` (a traced bool; not with ``mean``) the sums are read only
+  where it is true, inside a ``lax.cond`` whose only output is the mark
+  (see :func:`gated_mark`); elsewhere the result says valid.
   """
   loss_scale = jnp.asarray(loss_scale)
   usable = validation.scale_ok(loss_scale)
   if require_weight:
     usable = usable & usable_divisors(loss_scale, weight)
   if mean:
-    grads = divide(sums, loss_scale, weight, mark_nonfinite=True)
-    pending, any_bad = global_marks(
-      (
-        numerics.tree_mark(grads, numerics.nan_mark),
-        numerics.tree_mark(grads),
-      )
-    )
-    finite = ~jnp.isnan(pending)
-    usable = usable & ~jnp.isnan(any_bad)
+    grads = divide(sums, loss_scale, weight)
+    mark = global_marks((numerics.tree_mark(grads, numerics.range_mark),))[0]
   else:
     grads = sums
-    (any_bad,) = gated_marks(grads, when)
-    finite = ~jnp.isnan(any_bad)
+    check = check or "sums"
+    mark = gated_mark(
+      sums, lambda t: window_mark(t, loss_scale, weight, check), when
+    )
+  finite = ~jnp.isnan(mark)
   return AccumulatedGradients(
     grads=grads,
     weight=weight,
     loss_scale=loss_scale,
     issued=jnp.asarray(issued).astype(jnp.int32),
     finite=finite,
-    valid=finite & usable,
+    valid=finite & (mark == 0) & usable,
   )
 
 
@@ -328,6 +397,7 @@ def finish(
   plan: Any = None,
   what: str = "finish",
   when: jax.Array | None = None,
+  check: str | None = None,
 ) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
   """Finishes ``state``'s window: the one finish path of the library.
 
@@ -359,8 +429,11 @@ def finish(
       :func:`psum_window`; FSDP buffers are reduce-scattered).
     what: how to name the caller in errors.
     when: a traced bool (``mean=False``, no ``axes``): read the sums'
-      finiteness only where it is true (see :func:`gated_marks`); the
+      finiteness only where it is true (see :func:`gated_mark`); the
       result is meaningful only there.
+    check: with ``mean=False``, what ``out.valid`` reads (see
+      :func:`window_mark`): ``"sums"`` (the default), or what a close
+      applies, ``"mean"`` or ``"unscaled"``. ``mean=True`` reads the mean.
 
   Returns:
     ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps
@@ -371,6 +444,9 @@ def finish(
       them.
   """
   keep_empty = mean if keep_empty is None else keep_empty
+  check = "mean" if mean else check or "sums"
+  if check not in CHECKS:
+    raise ValueError(f"finish(check=...) is one of {CHECKS}")
   if when is not None and (mean or axes):
     raise ValueError("finish(when=...) takes mean=False and no axes")
   sums = state.grads
@@ -389,6 +465,7 @@ def finish(
     state.loss_scale,
     scalars["issued"],
     mean=mean,
+    check=check,
     require_weight=keep_empty,
     when=when,
   )
@@ -443,10 +520,12 @@ def close(
   """The close kernel of :func:`apply_window` and of the optax wrapper,
   generic in what it applies.
 
-  The window's sums, weight and finiteness come from :func:`finish` (read in
-  place, before anything else); then one ``lax.cond`` on the window's
-  validity runs either ``apply(mean, operands)`` (handed the window's mean
-  gradient in at least float32, divided inside the branch so that XLA fuses
+  The window's sums, weight, finiteness and validity come from
+  :func:`finish` (read in place, before anything else; valid as
+  ``finish_mean`` would say: a mean that does not fit the work dtype is
+  never applied); then one ``lax.cond`` on the window's validity runs
+  either ``apply(mean, operands)`` (handed the window's mean gradient in at
+  least float32, divided inside the branch so that XLA fuses
   the division into the optimizer's loops; with ``mean=False`` the window's
   sum, divided by the loss scale only) or ``skip(sums, operands)`` (an
   invalid window: nothing advances).
@@ -482,6 +561,7 @@ def close(
     next_loss_scale=next_loss_scale,
     axes=axes,
     when=when,
+    check="mean" if mean else "unscaled",
   )
   zero_dtype = out.weight.dtype
 

@@ -144,13 +144,14 @@ def _add(cfg, g, st, grads, ev) -> AccumState:
 
 def _tally(cfg, g, old, new, ev, sums) -> dict:
   """Adds the microbatch's loss sums and weights of ``g``'s terms, where
-  its window took it."""
+  its window took it. A term of weight 0 adds nothing to its loss sum, not
+  even NaN (a fully masked microbatch), whatever the mode and normaliser."""
   took = new.rejected == old.rejected
   sums = dict(sums)
   for t in g.terms:
     wf = ev.weights[t].astype(_F32)
     part = terms.part(cfg, ev, t)
-    use = took & (wf > 0) if not g.known else took
+    use = took & (wf > 0)
     loss_sum, w_sum = sums[t]
     sums[t] = (
       loss_sum + jnp.where(use, part, 0.0),
