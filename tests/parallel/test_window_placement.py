@@ -203,3 +203,20 @@ def test_set_loss_scale_of_a_stacked_window_keeps_one_scalar_scale():
     assert s.loss_scale.shape == () and float(s.loss_scale) == 2.0
   held = jax.jit(wa.set_loss_scale)(state, 2.0)
   assert held.loss_scale.shape == () and np.isnan(float(held.loss_scale))
+
+
+def test_a_stacked_window_made_under_jit_is_laid_over_the_replicas():
+  """Under jax.jit on Auto axes a stacked window is laid over the replicas
+  when the mesh is known (jax.set_mesh): each device holds one replica's
+  block; without it, refused with what to do (its N partial sums all
+  landed on one device)."""
+  mesh = _mesh()
+  params = jax.device_put({"w": jnp.zeros((2, 3))}, NamedSharding(mesh, P()))
+  make = jax.jit(lambda p: wa.init(p, axis_name="data"))
+  with pytest.raises(Error, match="jax.set_mesh"):
+    make(params)
+  with jax.set_mesh(mesh):
+    state = make(params)
+  shards = state.grads["w"].addressable_shards
+  assert len(shards) == R and all(s.data.shape == (1, 2, 3) for s in shards)
+  assert state.placement.kind == "stacked"

@@ -141,6 +141,24 @@ def _stacked_zeros(x: Any, n: int, mesh: Any, axes: Axes, is_explicit: bool):
   return jax.lax.with_sharding_constraint(z, NamedSharding(mesh, spec))
 
 
+def _check_placeable(mesh: Any, axes: Axes, is_explicit: bool, what: str):
+  """Under ``jax.jit`` on ``Auto`` axes the params' types name the mesh
+  but not its devices: without a context mesh the stacked buffers could
+  not be laid over the replicas (all N partial sums would land on one
+  device), so that case is refused, saying what to do."""
+  if isinstance(mesh, jax.sharding.Mesh) or is_explicit:
+    return
+  ctx = jax.sharding.get_abstract_mesh()
+  if not all(a in ctx.axis_names for a in axes):
+    raise WeightedAccumulationError(
+      f"{what}(axis_name={axes!r}): under jax.jit on a mesh whose data axes "
+      "are Auto, the stacked window's N per-replica buffers cannot be laid "
+      "over the replicas (the traced params carry no devices). Call it "
+      "under jax.set_mesh(mesh), or outside jax.jit (then pass the window "
+      "in, donated)."
+    )
+
+
 def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   """The stacked window of ``state`` (a fresh ``wa.init`` window of
   ``params``, its buffers on the params' shardings): zeros ``[N, ...]`` for
@@ -148,6 +166,7 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   like the param (without the data axes) on the others."""
   mesh = _params_mesh(params, axes, what)
   is_explicit = layout_.explicit(mesh, axes, what=what)
+  _check_placeable(mesh, axes, is_explicit, what)
   n = layout_.size(mesh, axes)
 
   def zeros(x):
