@@ -146,7 +146,10 @@ intersphinx_mapping = {
 nitpicky = True
 # AccumState.placement's type is described in AccumState's docstring (a
 # named tuple read as data); it is not a public name of its own.
-nitpick_ignore = [("py:class", "Placement")]
+nitpick_ignore = [
+  ("py:class", "Placement"),
+  ("py:class", "weighted_accum._src.core.base.Placement"),
+]
 
 html_theme = "furo"
 html_title = "weighted_accum"

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
+import numpy as np
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import accumulation
@@ -113,6 +114,15 @@ def accumulate(
   """Adds a microbatch to a per-replica or stacked window, as its placement
   says (see ``docs/design.md``, "Data parallelism", for the cases)."""
   pl = state.placement
+  if pl.kind == base.STACKED and not replicas.bound(pl.axes):
+    raise WeightedAccumulationError(
+      f"{name}(state): this window is stacked per replica over {pl.axes} "
+      f"({np.shape(state.weight_hi)[0]} replicas: wa.init(..., axis_name=...) "
+      "outside shard_map), so a microbatch is added per replica: inside "
+      "shard_map over those axes (pass the window in with "
+      "weighted_accum.distributed.window_specs(state)), or with f.accumulate "
+      "of microbatched_value_and_grad(..., axis_name=...) under jit."
+    )
   axes = _axes(pl.axes, name)
   if pl.kind == base.STACKED:  # this replica's block of a stacked window
     kw = dict(mean=mean, checked=checked, name=name)

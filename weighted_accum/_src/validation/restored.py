@@ -14,6 +14,7 @@ import numpy as np
 from weighted_accum._src.core.tree_utils import is_traced
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.validation.options import count
+from weighted_accum._src.validation.values import ScaleSource
 from weighted_accum._src.validation.values import host_number
 from weighted_accum._src.validation.values import loss_scale
 from weighted_accum._src.validation.values import weight
@@ -46,6 +47,8 @@ def _saved_value(kind: str, what: str, name: str, v: Any, dt: np.dtype) -> Any:
     return count(v, what=what, name=name)
   if kind == "weight":
     return _saved_weight_part(what, name, v, dt)
+  if isinstance(v, ScaleSource):  # a DynamicLossScale stands for its scale
+    v = v.scale
   v = host_number(v, what=f"{what}: counter {name!r}", noun="a loss scale")
   if math.isnan(v):
     # The library's mark of an unusable window (docs/inputs.md): restored
