@@ -23,38 +23,16 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from test_checkpoint import _bits
+from test_checkpoint import _restore
+from test_checkpoint import _save
 
 import _ckpt_child as child
 import weighted_accum as wa
-from weighted_accum.checkpoint import AccumCheckpointHandler
 
 CHILD = pathlib.Path(__file__).parents[1] / "_ckpt_child.py"
 BF16 = jnp.dtype(child.DTYPE)
 Error = wa.WeightedAccumulationError
-
-
-def _bits(tree) -> list[tuple[str, str, tuple, bytes]]:
-  """Leaves as (path, dtype, shape, raw bytes): equality is bitwise."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [
-    (
-      jax.tree_util.keystr(p),
-      str(np.asarray(x).dtype),
-      np.shape(x),
-      np.asarray(x).tobytes(),
-    )
-    for p, x in flat
-  ]
-
-
-def _save(path, tree) -> None:
-  with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
-    ckptr.save(path, args=wa.checkpoint.AccumSave(tree))
-
-
-def _restore(path, template):
-  with ocp.Checkpointer(AccumCheckpointHandler()) as ckptr:
-    return ckptr.restore(path, args=wa.checkpoint.AccumRestore(template))
 
 
 def _mesh(first=0, n=child.R):

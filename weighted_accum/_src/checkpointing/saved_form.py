@@ -44,7 +44,7 @@ SUPPORTED_FORMAT_VERSIONS = (1, FORMAT_VERSION)
 GRADS = "grads"
 COUNTERS = "counters"
 #: The per-replica counters of a stacked window (shape ``(N,)``).
-PER_REPLICA = base.named(base.SUMMED) + base.named(base.LOCAL)
+PER_REPLICA = base.PER_REPLICA
 
 
 def abstract_state(

@@ -481,8 +481,7 @@ def _is_empty(state: AccumState, ls: Any) -> jax.Array:
   one shared scalar."""
   pl = state.placement
   empty = jnp.all((state.weight_hi == 0) & (state.weight_lo == 0))
-  bound = pl.axes and set(pl.axes) <= set(tree_utils.manual_axes())
-  if pl.kind != base.GLOBAL and bound:
+  if pl.kind != base.GLOBAL and tree_utils.bound(pl.axes):
     validation.shared(ls, pl.axes, what="set_loss_scale(loss_scale)")
     if pl.per_replica:
       held = jax.lax.psum((~empty).astype(jnp.int32), pl.axes)

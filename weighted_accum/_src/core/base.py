@@ -244,6 +244,11 @@ def named(replicas: str) -> tuple[str, ...]:
   return tuple(name for name, c in COUNTERS if c.replicas == replicas)
 
 
+#: The counters that are per replica in a per-replica window (summed by the
+#: close, or local diagnostics): stacked on a leading replica axis.
+PER_REPLICA = named(SUMMED) + named(LOCAL)
+
+
 def at_finish(state: AccumState, next_loss_scale: Any) -> dict[str, Any]:
   """The next window's counters after ``state``'s window is finished."""
   out = {}

@@ -185,6 +185,11 @@ def check_leaves_floating(
 # ------------------------------------------------------- shard_map types --
 
 
+def bound(axes: tuple[str, ...]) -> bool:
+  """Whether an enclosing ``shard_map`` made every one of ``axes`` manual."""
+  return set(axes) <= set(manual_axes())
+
+
 def varying_axes(x: Any) -> frozenset:
   """The ``shard_map`` mesh axes ``x`` varies over (empty outside one)."""
   aval = jax.typeof(x)

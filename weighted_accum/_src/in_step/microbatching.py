@@ -236,10 +236,7 @@ def _to_window(state: Any, axes: tuple[str, ...] | None):
       f"{pl.kind} (axes {pl.axes}, reduce={pl.reduce!r}). Make it with "
       f"wa.init(params, axis_name={axes!r}) inside the shard_map."
     )
-  per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
-  return state.replace(
-    **{f: tree_utils.to_varying(getattr(state, f), axes) for f in per_replica}
-  ), block
+  return replicas.as_varying(state, axes), block
 
 
 def _configure(loss_fn, num_microbatches, **kw) -> _Config:

@@ -95,11 +95,8 @@ def make(
   axes = _axes(axis_name, f"{what}(axis_name=...)")
   if reduce == "microbatch":  # global sums: the same on every replica
     return s.replace(placement=base.Placement(base.REPLICA, axes, reduce))
-  per_replica = ("grads",) + base.named(base.SUMMED) + base.named(base.LOCAL)
-  return s.replace(
-    placement=base.Placement(base.REPLICA, axes, reduce),
-    **{k: _tree.to_varying(getattr(s, k), axes) for k in per_replica},
-  )
+  placed = s.replace(placement=base.Placement(base.REPLICA, axes, reduce))
+  return replicas.as_varying(placed, axes)
 
 
 def accumulate(

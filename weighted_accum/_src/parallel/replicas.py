@@ -39,7 +39,7 @@ from weighted_accum._src.parallel import spmd_layout as layout_
 Axes = tuple[str, ...]
 
 #: The per-replica fields, stacked on a leading replica axis.
-COUNTS = base.named(base.SUMMED) + base.named(base.LOCAL)
+COUNTS = base.PER_REPLICA
 PER_REPLICA = ("grads",) + COUNTS
 
 
@@ -49,9 +49,16 @@ def is_stacked(state: AccumState) -> bool:
   return state.placement.kind == base.STACKED
 
 
-def bound(axes: Axes) -> bool:
-  """Whether an enclosing ``shard_map`` made every one of ``axes`` manual."""
-  return set(axes) <= set(tree_utils.manual_axes())
+bound = tree_utils.bound
+
+
+def as_varying(state: AccumState, axes: Axes) -> AccumState:
+  """``state`` with its per-replica fields typed varying over ``axes``
+  (inside ``shard_map``): a per-replica window that can be a ``lax.scan``
+  carry, whose type may not change."""
+  return state.replace(
+    **{k: tree_utils.to_varying(getattr(state, k), axes) for k in PER_REPLICA}
+  )
 
 
 def specs(state: AccumState, axes: Axes) -> AccumState:
