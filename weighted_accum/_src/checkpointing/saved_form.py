@@ -105,16 +105,14 @@ def _stacked_abstract(
   ``shard_map``, abstract: a leading replica axis (sharded over the axes)
   on the buffers and per-replica counters, the rest of each buffer like
   its param without the axes, the shared scalars replicated."""
-  meshes = [
-    s.mesh
-    for s in (getattr(p, "sharding", None) for p in jax.tree.leaves(params))
-    if isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
-  ]
+  shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
+  meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+  meshes = [m for m in meshes + [jax.sharding.get_mesh()]  # then set_mesh's
+            if isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)]
   if not meshes:
     raise WeightedAccumulationError(
-      f"{_WHAT}: no param is on a mesh with the axes {axes}, so the replica "
-      "count is unknown. Pass the new run's params (or ShapeDtypeStructs "
-      "with their NamedShardings)."
+      f"{_WHAT}: no param is on a mesh with the axes {axes} and no such mesh "
+      "is set (jax.set_mesh): pass params with their NamedShardings."
     )
   mesh, head = meshes[0], spmd_layout.entry(axes)
   n = spmd_layout.size(mesh, axes)

@@ -456,6 +456,8 @@ def set_loss_scale(
     hint="Pass the window from wa.init or a finish, then the scale.",
   )
   checked = validation.static_flag(checked, what="set_loss_scale(checked=...)")
+  if not base.plain(state):
+    base.PLACED["check"](state, "set_loss_scale")
   ls = validation.loss_scale(
     loss_scale,
     what="set_loss_scale(loss_scale)",

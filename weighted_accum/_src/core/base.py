@@ -95,6 +95,17 @@ class Placement(NamedTuple):
 #: The placement of a window made without ``axis_name``.
 GLOBAL_WINDOW = Placement()
 
+#: The entry points' paths for every window but a plain one, registered by
+#: the data-parallel layer (``parallel.placed``), which core does not import.
+PLACED: dict[str, Any] = {}
+
+
+def plain(state: Any) -> bool:
+  """Whether ``state`` is a global window read as one (no ``shard_map``)."""
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+  kind = state.placement.kind
+  return kind == GLOBAL and np.ndim(state.weight_hi) == 0 and not manual
+
 
 def _counter(kind: str, initial: float, at_finish: str, replicas: str) -> Any:
   return struct.field(
@@ -160,6 +171,8 @@ class AccumState(struct.PyTreeNode):
     replica's weight.
     """
     hi, lo = self.weight_hi, self.weight_lo
+    if self.placement.kind != STACKED and np.ndim(hi):
+      PLACED["check"](self, "total_weight")
     if self.placement.kind == STACKED and np.ndim(hi) == 1:
       if isinstance(hi, jax.core.Tracer):
         return jnp.sum(hi) + jnp.sum(lo)

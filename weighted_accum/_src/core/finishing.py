@@ -23,9 +23,6 @@ from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.parallel import distributed
-from weighted_accum._src.parallel import replicas
-from weighted_accum._src.parallel import spmd_layout
 
 _STATE_HINT = "Pass the window (an AccumState from wa.init or a finish)."
 
@@ -41,7 +38,7 @@ def _window(state: Any, what: str, stacked_ok: bool = False) -> AccumState:
 def one_window(state: AccumState, what: str) -> AccumState:
   """``state``, refused if it is a stacked per-replica window (its close
   needs the reduction over the replicas)."""
-  if replicas.is_stacked(state):
+  if state.placement.kind == base.STACKED:
     raise WeightedAccumulationError(
       f"{what}(state): this window is stacked per replica over "
       f"{state.placement.axes} (wa.init(..., axis_name=...) outside "
@@ -63,7 +60,7 @@ def shared_over_window(state: AccumState, value: Any, what: str) -> Any:
   """``value``, refused if it varies over the data axes of a per-replica
   window (inside the ``shard_map`` of its axes)."""
   axes = state.placement.axes
-  if state.placement.kind != base.GLOBAL and replicas.bound(axes):
+  if state.placement.kind != base.GLOBAL and tree_utils.bound(axes):
     validation.shared(value, axes, what=what)
   return value
 
@@ -110,8 +107,10 @@ def finish_sums(
     >>> (out.grads['w'] / out.loss_scale / out.weight).item(), int(state.issued)
     (1.0, 0)
   """
-  state = _window(state, "finish_sums")
+  state = _window(state, "finish_sums", stacked_ok=True)
   ls = _next_scale(state, next_loss_scale, "finish_sums")
+  if not base.plain(state):
+    return base.PLACED["finish_sums"](state, ls)
   return _finish_kernel(state, ls, mean=False)
 
 
@@ -162,10 +161,15 @@ def finish_mean(
   state = _window(state, "finish_mean", stacked_ok=True)
   ls = _next_scale(state, next_loss_scale, "finish_mean")
   checked = validation.static_flag(checked, what="finish_mean(checked=...)")
+  if not base.plain(state):  # as placed
+    return base.PLACED["finish_mean"](state, ls, checked)
   if not tree_utils.is_traced(state.weight_hi):
     validation.nonempty_window(state, what="finish_mean")
-  if state.placement.kind != base.GLOBAL:  # reduced once, as placed
-    return distributed.finish(state, ls, "finish_mean")
+  return finish_global(state, ls, checked)
+
+
+def finish_global(state: AccumState, ls: Any, checked: bool):
+  """``finish_mean`` of a window closed as a global one (no reduction)."""
   if checked and tree_utils.is_traced(state.weight_hi):
     weight = numerics.join(state.weight_hi, state.weight_lo)
     checkify.check(
@@ -402,65 +406,20 @@ def apply_window(
     ],
     what="apply_window",
   )
-  if replicas.is_stacked(state):
-    return _apply_stacked(tx, state, params, opt_state, next_loss_scale)
+  ls = _next_scale(state, next_loss_scale, "apply_window")
+  if not base.plain(state):  # as placed
+    return base.PLACED["apply_window"](tx, state, params, opt_state, ls)
+  return apply_global(tx, state, params, opt_state, ls, ())
+
+
+def apply_global(tx, state, params, opt_state, ls, axes):
+  """``apply_window`` of a global or per-replica window (reduced over
+  ``axes``) on the one close path."""
   tree_utils.match_tree(
     state.grads,
     params,
     what="apply_window(params)",
     ref_name="the accumulator's buffers",
   )
-  axes = ()
-  if state.placement.per_replica:  # one reduction of the replicas' sums
-    axes = validation.bound_axes(
-      state.placement.axes, what="apply_window(state)"
-    )
   _check_replicas(state, params, axes)
-  ls = _next_scale(state, next_loss_scale, "apply_window")
   return _apply_window_kernel(tx, state, params, opt_state, ls, axes)
-
-
-def _apply_stacked(tx, state, params, opt_state, next_loss_scale):
-  """``apply_window`` of a stacked per-replica window: of this replica's
-  block inside ``shard_map``, or of the whole under plain ``jit`` (its one
-  reduction, then the one close path on the global window)."""
-  what = "apply_window"
-  axes = validation.axis_names(state.placement.axes, what=f"{what}(state)")
-  ls = _next_scale(state, next_loss_scale, what)
-  if replicas.bound(axes):
-    p, o, new, out = apply_window(
-      tx,
-      replicas.unstack(state, axes, what),
-      params,
-      opt_state,
-      next_loss_scale=ls,
-    )
-    return p, o, replicas.stack(new, axes), out
-  tree_utils.match_tree(
-    jax.tree.map(
-      lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads
-    ),
-    params,
-    what=f"{what}(params)",
-    ref_name="the accumulator's buffers",
-  )
-  return _apply_stacked_kernel(tx, state, params, opt_state, ls, axes)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _apply_stacked_kernel(tx, state, params, opt_state, next_loss_scale, axes):
-  what = "apply_window"
-  mesh = replicas.mesh_of(state, axes, what)
-  leaves = None
-  if spmd_layout.explicit(mesh, axes, what=what):  # FSDP: from the types
-    leaves = tuple(
-      spmd_layout.leaf(
-        jax.typeof(p).sharding.spec, axes, p.ndim, path, what=what
-      )
-      for path, p in tree_utils.flat(params)
-    )
-  glob = replicas.to_global(state, axes, mesh, leaves)
-  params, opt_state, closed, out = _apply_window_kernel(
-    tx, glob, params, opt_state, next_loss_scale, ()
-  )
-  return params, opt_state, replicas.next_window(state, closed), out

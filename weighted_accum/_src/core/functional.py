@@ -20,7 +20,6 @@ from weighted_accum._src.core import accumulation
 from weighted_accum._src.core import base
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.parallel import distributed
 
 _STATE_HINT = (
   "Pass the window from wa.init (or the previous call) first, then the "
@@ -86,18 +85,18 @@ def init(
         "or leave reduce out for a global window."
       )
     return accumulation.init(params, dtype, loss_scale)
-  return distributed.make(params, axis_name, reduce, dtype, loss_scale)
+  return base.PLACED["init"](params, axis_name, reduce, dtype, loss_scale)
 
 
 def _accumulate(state, grads, weight, *, mean, checked, name):
   validation.instance(
     state, AccumState, what=f"{name}(state)", hint=_STATE_HINT
   )
-  if state.placement.kind == base.GLOBAL:
+  if base.plain(state):
     return accumulation.add(
       state, grads, weight, mean=mean, checked=checked, name=name
     )
-  return distributed.accumulate(
+  return base.PLACED["accumulate"](
     state, grads, weight, mean=mean, checked=checked, name=name
   )
 

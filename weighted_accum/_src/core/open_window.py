@@ -29,7 +29,6 @@ from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.parallel import replicas
 
 _HINT = (
   "Pass the open window: an AccumState (wa.init, accumulate_*) or the "
@@ -100,25 +99,11 @@ def peek_mean(
     2.0
   """
   st = _window(state, "peek_mean")
+  if not base.plain(st):
+    return base.PLACED["peek_mean"](st)
   if not tree_utils.is_traced(st.weight_hi):
     validation.nonempty_window(st, what="peek_mean")
-  pl = st.placement
-  if pl.kind == base.STACKED and not replicas.bound(pl.axes):
-    return _peek_stacked(st, pl.axes)
-  if pl.kind == base.STACKED:  # this replica's block of a stacked window
-    st = replicas.unstack(st, pl.axes, "peek_mean")
-  axes = ()
-  if st.placement.per_replica:
-    axes = validation.bound_axes(pl.axes, what="peek_mean(state)")
-  return _peek_kernel(st, axes)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _peek_stacked(state: AccumState, axes: tuple[str, ...]):
-  """``peek_mean`` of a stacked window under plain ``jit``: its one
-  reduction (``replicas.to_global``), then the close path's mean."""
-  mesh = replicas.mesh_of(state, axes, "peek_mean")
-  return _peek_kernel(replicas.to_global(state, axes, mesh), ())
+  return _peek_kernel(st, ())
 
 
 @jax.jit

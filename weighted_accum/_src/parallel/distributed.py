@@ -108,23 +108,9 @@ def accumulate(
   checked: bool,
   name: str,
 ) -> AccumState:
-  """Adds a microbatch to a per-replica or stacked window, as its placement
-  says (see ``docs/design.md``, "Data parallelism", for the cases)."""
+  """Adds a microbatch to a per-replica window inside its ``shard_map``."""
   pl = state.placement
-  if pl.kind == base.STACKED and not replicas.bound(pl.axes):
-    raise WeightedAccumulationError(
-      f"{name}(state): this window is stacked per replica over {pl.axes} "
-      f"({np.shape(state.weight_hi)[0]} replicas: wa.init(..., axis_name=...) "
-      "outside shard_map), so a microbatch is added per replica: inside "
-      "shard_map over those axes (pass the window in with "
-      "weighted_accum.distributed.window_specs(state)), or with f.accumulate "
-      "of microbatched_value_and_grad(..., axis_name=...) under jit."
-    )
   axes = _axes(pl.axes, name)
-  if pl.kind == base.STACKED:  # this replica's block of a stacked window
-    kw = dict(mean=mean, checked=checked, name=name)
-    inner = accumulate(replicas.unstack(state, axes, name), grads, weight, **kw)
-    return replicas.stack(inner, axes)
   add = functools.partial(
     accumulation.add, checked=checked, name=name, allow_reduced=True
   )
@@ -132,7 +118,8 @@ def accumulate(
     contrib, gweight = reduce_microbatch(
       state, grads, weight, axes, mean=mean, what=name
     )
-    return add(state, contrib, gweight, mean=False)
+    new = add(state, contrib, gweight, mean=False)  # one per replica:
+    return new.replace(issued=new.issued + (_axes_size(axes) - 1))
   leaves = accumulation.check_structure(state, grads, name)
   reduced = local_grads.leaf_status(
     leaves, _tree.leaf_paths(state.grads), axes, f"{name}(grads)"
@@ -309,36 +296,3 @@ def reduce_sums(
     hint="Pass this replica's result of weighted_accum.finish_sums.",
   )
   return window.reduce_finished(out, axes, what="reduce_sums")
-
-
-def finish(
-  state: AccumState, next_loss_scale: Any, what: str
-) -> tuple[AccumulatedGradients, AccumState]:
-  """Closes a per-replica or stacked window, as its placement says: the
-  exact global mean, identical on every replica, and the next window.
-
-  ``reduce="window"``: one collective round of the sums with the weight's
-  exact (hi, lo) parts. ``reduce="microbatch"``: the buffers already hold
-  the global sums, so no communication. A stacked window under plain
-  ``jit``: one reduction of the replicas' blocks, then the one close path.
-  ``out.issued`` counts microbatches summed over the replicas."""
-  pl = state.placement
-  if pl.kind == base.STACKED:
-    axes = validation.axis_names(pl.axes, what=what)
-    if not replicas.bound(axes):
-      return replicas.finish_mean(state, axes, next_loss_scale)
-    out, new = finish(
-      replicas.unstack(state, axes, what), next_loss_scale, what
-    )
-    return out, replicas.stack(new, axes)
-  axes = _axes(pl.axes, what)
-  if pl.reduce == "microbatch":
-    out, new_state, _ = window.finish(
-      state, mean=True, next_loss_scale=next_loss_scale, what=what
-    )
-    # Each accumulate call covered one microbatch on every replica.
-    return out.replace(issued=out.issued * _axes_size(axes)), new_state
-  out, new_state, _ = window.finish(
-    state, mean=True, next_loss_scale=next_loss_scale, axes=axes, what=what
-  )
-  return out, new_state

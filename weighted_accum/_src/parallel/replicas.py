@@ -72,15 +72,24 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
 
 
 def check_block(state: AccumState, n: int, what: str) -> None:
+  """Refuses a stacked window whose replica axis is not ``n`` long or not
+  laid over its axes (e.g. moved to one device with ``jax.device_put``)."""
+  axes, s = state.placement.axes, getattr(state.weight_hi, "sharding", None)
+  if not tree_utils.is_traced(state.weight_hi) and not (
+    isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
+  ):
+    raise WeightedAccumulationError(
+      f"{what}(state): this stacked window is not laid over a mesh with its "
+      f"axes {axes} (jax.device_put?); put it back with window_specs' specs."
+    )
   for path, x in [("weight_hi", state.weight_hi)] + tree_utils.flat(
     state.grads
   ):
     if np.ndim(x) < 1 or np.shape(x)[0] != n:
       raise WeightedAccumulationError(
-        f"{what}(state): leaf {path} has shape {np.shape(x)}; a stacked "
-        f"per-replica window has a leading replica axis of {n} here. Start "
-        "it with wa.init(params, axis_name=...) outside shard_map, and pass "
-        "it into shard_map with weighted_accum.distributed.window_specs(state)."
+        f"{what}(state): leaf {path} has shape {np.shape(x)}, but a stacked "
+        f"window over {axes} has a leading replica axis of {n} here (made by "
+        "wa.init(params, axis_name=...) on this mesh; window_specs in shard_map)."
       )
 
 
