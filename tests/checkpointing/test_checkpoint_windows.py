@@ -242,6 +242,25 @@ def test_a_version_1_item_restores_as_a_global_window(tmp_path):
   del options["states"][""]["placement"]
   meta_file.write_text(json.dumps(meta))
   assert _bits(_restore(path, wa.init(params))) == _bits(state)
+  mesh = _mesh()
+  per_replica = jax.jit(jax.shard_map(
+    lambda p: wa.init(p, axis_name="data", reduce="microbatch"),
+    mesh=mesh, in_specs=P(), out_specs=P()))(params)
+  with pytest.raises(Error, match="holds a global window.*template is a per-replica"):
+    _restore(path, per_replica)
+
+
+def test_abstract_state_under_set_mesh_is_the_window_init_makes_there():
+  """Params without shardings (jax.eval_shape) under jax.set_mesh: the
+  template is the stacked window wa.init makes there."""
+  mesh = _mesh()
+  shapes = jax.eval_shape(lambda: {"w": jnp.zeros(3)})
+  with jax.set_mesh(mesh):
+    made = wa.init({"w": jnp.zeros(3)}, axis_name="data")
+    abstract = wa.checkpoint.abstract_state(shapes, axis_name="data")
+  assert abstract.placement == made.placement
+  assert abstract.grads["w"].shape == made.grads["w"].shape
+  assert abstract.grads["w"].sharding.spec == made.grads["w"].sharding.spec
 
 
 # 3. A stacked window's counters are checked replica by replica -------------------
