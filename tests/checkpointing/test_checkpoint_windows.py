@@ -243,10 +243,17 @@ def test_a_version_1_item_restores_as_a_global_window(tmp_path):
   meta_file.write_text(json.dumps(meta))
   assert _bits(_restore(path, wa.init(params))) == _bits(state)
   mesh = _mesh()
-  per_replica = jax.jit(jax.shard_map(
-    lambda p: wa.init(p, axis_name="data", reduce="microbatch"),
-    mesh=mesh, in_specs=P(), out_specs=P()))(params)
-  with pytest.raises(Error, match="holds a global window.*template is a per-replica"):
+  per_replica = jax.jit(
+    jax.shard_map(
+      lambda p: wa.init(p, axis_name="data", reduce="microbatch"),
+      mesh=mesh,
+      in_specs=P(),
+      out_specs=P(),
+    )
+  )(params)
+  with pytest.raises(
+    Error, match="holds a global window.*template is a per-replica"
+  ):
     _restore(path, per_replica)
 
 

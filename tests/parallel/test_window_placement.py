@@ -257,7 +257,9 @@ def test_a_global_window_of_local_sums_is_refused_by_every_mean(closer):
 def test_a_global_window_of_local_sums_reduces_through_finish_sums():
   g, w = _data()
   (got,) = _shard_map(_local_body("finish_sums"), 1)({"w": jnp.zeros(3)}, g, w)
-  np.testing.assert_allclose(got["w"], g.astype(np.float64).sum(0) / R, rtol=1e-6)
+  np.testing.assert_allclose(
+    got["w"], g.astype(np.float64).sum(0) / R, rtol=1e-6
+  )
 
 
 @functools.cache
@@ -269,12 +271,18 @@ def _microbatch_window():
     s = wa.init(p, axis_name="data", reduce="microbatch")
     s = wa.accumulate_sum(s, {"w": g[0]}, w[0])
     s = wa.accumulate_sum(s, {"w": 2 * g[0]}, w[0])
-    inside = (wa.finish_mean(s)[0], wa.peek_mean(s),
-              wa.apply_window(tx, s, p, tx.init(p))[3])
+    inside = (
+      wa.finish_mean(s)[0],
+      wa.peek_mean(s),
+      wa.apply_window(tx, s, p, tx.init(p))[3],
+    )
     return s, [(o.issued, o.weight) for o in inside]
 
-  out = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P(), P("data"), P("data")),
-                              out_specs=P()))({"w": jnp.zeros(3)}, g, w)
+  out = jax.jit(
+    jax.shard_map(
+      body, mesh=_mesh(), in_specs=(P(), P("data"), P("data")), out_specs=P()
+    )
+  )({"w": jnp.zeros(3)}, g, w)
   return out, g, w
 
 
@@ -291,17 +299,24 @@ def test_a_microbatch_window_is_read_alike_inside_and_outside_shard_map():
   new_p, _, _, applied = wa.apply_window(tx, state, params, tx.init(params))
   np.testing.assert_allclose(new_p["w"], -ref, rtol=1e-6)
   sums, _ = wa.finish_sums(state)
-  np.testing.assert_allclose(sums.grads["w"] / float(sums.weight), ref, rtol=1e-6)
-  for issued, weight in inside + [(out.issued, out.weight),
-                                  (applied.issued, applied.weight)]:
+  np.testing.assert_allclose(
+    sums.grads["w"] / float(sums.weight), ref, rtol=1e-6
+  )
+  for issued, weight in inside + [
+    (out.issued, out.weight),
+    (applied.issued, applied.weight),
+  ]:
     assert int(issued) == 2 * R and float(weight) == ref_w
 
 
 @functools.cache
 def _mesh2(names=("a", "b"), explicit=False):
-  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
-  return jax.make_mesh((2, 2), names, axis_types=(kind, kind),
-                       devices=jax.devices()[:R])
+  kind = (
+    jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  )
+  return jax.make_mesh(
+    (2, 2), names, axis_types=(kind, kind), devices=jax.devices()[:R]
+  )
 
 
 @pytest.mark.parametrize("closer", ["finish_mean", "apply_window"])
@@ -319,7 +334,9 @@ def test_a_next_scale_varying_over_the_second_data_axis_is_refused(closer):
     return wa.apply_window(tx, s, p, tx.init(p), next_loss_scale=ls)[3].weight
 
   b = jnp.broadcast_to(jnp.arange(2.0)[None, :, None], (2, 2, 3))
-  f = jax.shard_map(body, mesh=_mesh2(), in_specs=(P(), P(None, "b")), out_specs=P())
+  f = jax.shard_map(
+    body, mesh=_mesh2(), in_specs=(P(), P(None, "b")), out_specs=P()
+  )
   with pytest.raises(Error, match=r"next_loss_scale.*varies over \['b'\]"):
     jax.jit(f)({"w": jnp.zeros(3)}, b)
 
@@ -331,14 +348,21 @@ def test_a_stacked_window_moved_or_remeshed_is_named_or_exact():
   ref, _ = _reference(g, w, mean=False)
   moved, one = jax.device_put((state, params), jax.devices()[0])
   tx = optax.sgd(1.0)
-  for close in (wa.finish_mean, wa.peek_mean,
-                lambda s: wa.apply_window(tx, s, one, tx.init(one))):
+  for close in (
+    wa.finish_mean,
+    wa.peek_mean,
+    lambda s: wa.apply_window(tx, s, one, tx.init(one)),
+  ):
     with pytest.raises(Error, match="not laid over a mesh with its axes"):
       close(moved)
   flipped = jax.sharding.Mesh(np.array(jax.devices()[:R][::-1]), ("data",))
   again = jax.device_put(
-    state, jax.tree.map(lambda x: NamedSharding(flipped, x.sharding.spec), state))
-  np.testing.assert_allclose(wa.finish_mean(again)[0].grads["w"], ref, rtol=1e-6)
+    state,
+    jax.tree.map(lambda x: NamedSharding(flipped, x.sharding.spec), state),
+  )
+  np.testing.assert_allclose(
+    wa.finish_mean(again)[0].grads["w"], ref, rtol=1e-6
+  )
 
 
 def test_a_stacked_window_given_other_axes_is_named():
@@ -346,8 +370,12 @@ def test_a_stacked_window_given_other_axes_is_named():
   params = jax.device_put({"w": jnp.zeros(3)}, NamedSharding(mesh, P()))
   state = wa.init(params, axis_name="data")  # 2 replicas
   loss = lambda p, x: (jnp.sum(x @ p["w"]), x.shape[0])
-  f = wa.microbatched_value_and_grad(loss, 2, mode="sum", axis_name=("data", "other"))
-  x = jax.device_put(jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "other"))))
+  f = wa.microbatched_value_and_grad(
+    loss, 2, mode="sum", axis_name=("data", "other")
+  )
+  x = jax.device_put(
+    jnp.ones((8, 3)), NamedSharding(mesh, P(("data", "other")))
+  )
   with pytest.raises(Error, match=r"leading replica axis of 4 here"):
     f.accumulate(state, params, x)
 
@@ -357,8 +385,12 @@ def test_an_ensemble_of_windows_is_read_under_vmap_or_named():
   read eagerly as one window it is refused by name."""
   p = {"w": jnp.arange(12.0).reshape(4, 3)}
   ens = jax.vmap(lambda q: wa.accumulate_sum(wa.init(q), q, 2.0))(p)
-  for read in (lambda s: s.total_weight, wa.finish_mean, wa.peek_mean,
-               lambda s: wa.set_loss_scale(s, 2.0)):
+  for read in (
+    lambda s: s.total_weight,
+    wa.finish_mean,
+    wa.peek_mean,
+    lambda s: wa.set_loss_scale(s, 2.0),
+  ):
     with pytest.raises(Error, match=r"scalar counters, this one \(4,\)"):
       read(ens)
   got = jax.vmap(lambda s: wa.finish_mean(s)[0].grads["w"])(ens)
@@ -369,7 +401,9 @@ def test_a_stacked_window_restored_from_flax_bytes_as_global_is_refused():
   from flax import serialization
 
   state, params, _, _ = _stacked()
-  restored = serialization.from_bytes(wa.init(params), serialization.to_bytes(state))
+  restored = serialization.from_bytes(
+    wa.init(params), serialization.to_bytes(state)
+  )
   with pytest.raises(Error, match=r"scalar counters, this one \(4,\)"):
     jax.jit(lambda s: wa.finish_mean(s)[0].grads)(restored)
 
@@ -381,16 +415,23 @@ def test_a_param_sharded_over_data_and_model_on_explicit_axes_closes(close):
   mesh = _mesh2(("data", "model"), explicit=True)
   g = np.random.default_rng(3).normal(size=(2, 4, 2)).astype(np.float32)
   with jax.set_mesh(mesh):
-    params = jax.device_put({"w": jnp.ones((4, 2))}, NamedSharding(mesh, P("data", "model")))
+    params = jax.device_put(
+      {"w": jnp.ones((4, 2))}, NamedSharding(mesh, P("data", "model"))
+    )
     state = wa.init(params, axis_name="data")
     specs = wa.distributed.window_specs(state)
-    add = jax.shard_map(lambda s, g: wa.accumulate_sum(s, {"w": g[0]}, 1.0),
-                        in_specs=(specs, P("data")), out_specs=specs,
-                        axis_names={"data"})
+    add = jax.shard_map(
+      lambda s, g: wa.accumulate_sum(s, {"w": g[0]}, 1.0),
+      in_specs=(specs, P("data")),
+      out_specs=specs,
+      axis_names={"data"},
+    )
     state = jax.jit(add)(state, jnp.asarray(g))
     ref = g.astype(np.float64).sum(0) / 2
     if close == "finish_mean":
-      np.testing.assert_allclose(wa.finish_mean(state)[0].grads["w"], ref, rtol=1e-6)
+      np.testing.assert_allclose(
+        wa.finish_mean(state)[0].grads["w"], ref, rtol=1e-6
+      )
     else:
       tx = optax.sgd(1.0)
       new_p = wa.apply_window(tx, state, params, tx.init(params))[0]

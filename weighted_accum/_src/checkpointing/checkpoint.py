@@ -42,11 +42,7 @@ __all__ = [
 
 
 def _check_restorable(s: AccumState, shown: str) -> None:
-  """Refuses to save a global window that :class:`AccumRestore` would
-  refuse (the same checks of its counters and buffers), so what is saved
-  restores; per-replica windows are checked replica by replica on restore.
-  A window made unusable under ``jit`` (a NaN loss scale) is saved and
-  restores as it was (``docs/inputs.md``)."""
+  """Refuses to save a global window that :class:`AccumRestore` would refuse."""
   if s.placement.kind != base.GLOBAL:
     return
   counters = sf.host_counters(s)
@@ -456,8 +452,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 
 def _window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
-  """A restored global (or per-replica, scalar-counter) window, validated
-  by ``from_buffers`` and placed like the template ``t``."""
+  """A restored global (or per-replica, scalar-counter) window, validated by
+  ``from_buffers`` and placed like the template ``t``."""
   counters = validation.saved_counters(
     r[sf.COUNTERS],
     base.COUNTERS,
@@ -486,9 +482,7 @@ def _window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
 
 
 def _stacked_window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
-  """A restored stacked window: its counters validated replica by replica,
-  each zero-weight replica's buffers checked to be zero, the counters
-  placed like the template's (its buffers already are)."""
+  """A restored stacked window."""
   grads = jax.tree.map(
     lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, r[sf.GRADS]
   )

@@ -102,13 +102,14 @@ def _stacked_abstract(
   shapes: AccumState, params: Any, axes: tuple[str, ...]
 ) -> AccumState:
   """The stacked window ``wa.init(params, axis_name=axes)`` makes outside
-  ``shard_map``, abstract: a leading replica axis (sharded over the axes)
-  on the buffers and per-replica counters, the rest of each buffer like
-  its param without the axes, the shared scalars replicated."""
+  ``shard_map``, abstract."""
   shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
   meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
-  meshes = [m for m in meshes + [jax.sharding.get_mesh()]  # then set_mesh's
-            if isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)]
+  meshes = [
+    m
+    for m in meshes + [jax.sharding.get_mesh()]  # then set_mesh's
+    if isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)
+  ]
   if not meshes:
     raise WeightedAccumulationError(
       f"{_WHAT}: no param is on a mesh with the axes {axes} and no such mesh "
@@ -149,12 +150,7 @@ def is_accum(x: Any) -> bool:
 
 
 def key(path: tuple[str, ...]) -> str:
-  """The key of a node in the saved options (``''`` for the root).
-
-  Path entries are joined with ``/`` after JSON-pointer escaping (``~`` as
-  ``~0``, ``/`` as ``~1``), so the dict keys ``'a/b'`` and ``'a', 'b'`` get
-  distinct keys; keys without either character are written as before.
-  """
+  """The key of a node in the saved options (``''`` for the root)."""
   return "/".join(str(k).replace("~", "~0").replace("/", "~1") for k in path)
 
 
@@ -183,8 +179,8 @@ def rewrap(like: Any, value: Any) -> Any:
 
 
 def plain_counters(s: AccumState) -> dict[str, Any]:
-  """The counters as arrays, unwrapped from ``nnx.Variable``s (they are
-  saved unwrapped, so an ``nnx.Optimizer``'s state restores into another's)."""
+  """The counters as arrays, unwrapped from ``nnx.Variable``s (they are saved
+  unwrapped, so an ``nnx.Optimizer``'s state restores into another's)."""
   return {k: unwrap(v) for k, v in s.counters.items()}
 
 
@@ -211,8 +207,7 @@ def split(tree: Any, counters: Any) -> Any:
 
 
 def host_counters(s: AccumState) -> dict[str, Any]:
-  """The counters in their stored dtype, for saving: NumPy scalars, and a
-  stacked window's per-replica counters as the ``(N,)`` arrays they are."""
+  """The counters in their stored dtype, for saving."""
   s = jax.tree.map(unwrap, s)
   out = {}
   for name in base.NAMES:
@@ -253,9 +248,8 @@ def _describe(options: dict[str, Any]) -> str:
 
 
 def check_placement(saved: Any, t: AccumState, shown: str, where: str) -> None:
-  """Refuses a template of another window kind, replica count or reduce
-  mode than the saved window's: restoring across them would need sums the
-  close does in its own order (not bit-exact), so nothing is converted."""
+  """Refuses a template of another window kind, replica count or reduce mode
+  than the saved window's."""
   if saved is None:  # format version 1: global windows only
     saved = {"kind": base.GLOBAL, "axes": [], "reduce": "window"}
   if not isinstance(saved, dict) or saved.get("kind") not in base.KINDS:
@@ -339,7 +333,7 @@ def role(
 
 def uncommitted(x: Any) -> bool:
   """An array on the default device, free to join any computation (as the
-  scalars of a fresh ``wa.init`` or ``tx.init``): restored the same way."""
+  scalars of a fresh ``wa.init`` or ``tx.init``)."""
   return isinstance(x, jax.Array) and not x.committed
 
 
@@ -363,8 +357,7 @@ def stacked_counters(
   saved: dict[str, Any], work_dtype: Any, here: str
 ) -> dict[str, np.ndarray]:
   """A stacked window's saved counters, validated as ``N`` windows (each
-  replica's counters with the shared ones): ``(N,)`` arrays for the
-  per-replica counters, scalars for the shared ones."""
+  replica's counters with the shared ones)."""
   n = int(np.shape(saved["weight_hi"])[0])
   rows = []
   for r in range(n):
@@ -390,8 +383,7 @@ def stacked_counters(
 
 
 def check_stacked_buffers(grads: Any, weight: np.ndarray, here: str) -> None:
-  """Only positive-weight microbatches add to a replica's buffers: a
-  replica of weight 0 has zero buffers (see ``docs/design.md``, "State")."""
+  """Only positive-weight microbatches add to a replica's buffers."""
   empty = np.asarray(weight) == 0
   if not empty.any():
     return
@@ -409,8 +401,8 @@ def check_stacked_buffers(grads: Any, weight: np.ndarray, here: str) -> None:
 
 
 def place_counter(like_leaf: Any, value: Any, grads: Any) -> Any:
-  """A restored counter of a stacked window on the template's sharding, or
-  (a template without one) on the buffers' mesh as ``wa.init`` puts it."""
+  """A restored counter of a stacked window on the template's sharding, or (a
+  template without one) on the buffers' mesh as ``wa.init`` puts it."""
   sharding = getattr(like_leaf, "sharding", None)
   if sharding is None:
     first = next(iter(jax.tree.leaves(grads)), None)

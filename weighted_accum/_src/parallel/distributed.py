@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
-import numpy as np
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import accumulation
@@ -71,14 +70,7 @@ def make(
   dtype: DTypeLike,
   loss_scale: ArrayLike,
 ) -> AccumState:
-  """The per-replica window of ``wa.init(params, axis_name=...)``.
-
-  Inside ``shard_map`` over ``axis_name``: this replica's window
-  (placement ``"replica"``); for ``reduce="window"`` every per-replica leaf
-  is typed varying over the axes, so the state can be a ``lax.scan`` carry.
-  Outside ``shard_map``: a stacked window (placement ``"stacked"``) to
-  carry between jitted steps (``docs/scaling.md``).
-  """
+  """The per-replica window of ``wa.init(params, axis_name=...)``."""
   what = "init"
   reduce = _check_reduce(reduce, what)
   s = accumulation.init(params, dtype=dtype, loss_scale=loss_scale)
@@ -153,10 +145,7 @@ def reduce_microbatch(
   mean: bool,
   what: str,
 ) -> tuple[Any, validation.Weight]:
-  """One microbatch's global contribution (a tree like the buffers, the sum
-  over the replicas, each leaf summed once) and its global weight (an exact
-  pair, see :func:`global_contribution`): one collective round, inside
-  ``shard_map``. For a window that is the same on every replica."""
+  """One microbatch's global contribution and weight (one collective round)."""
   leaves = accumulation.check_structure(state, grads, what)
   reduced = local_grads.leaf_status(
     leaves, _tree.leaf_paths(state.grads), axes, f"{what}(grads)"
@@ -177,13 +166,7 @@ def global_contribution(
   reduced: bool,
   what: str,
 ) -> tuple[list[Any], validation.Weight]:
-  """The microbatch's global contribution to the sums and its global weight.
-
-  The weight is a :class:`validation.Weight` whose ``(hi, lo)`` is the exact
-  sum of the replicas' converted weights, summed in the same collective
-  round as the sums (``window.psum_window``'s limbs); it is not ``ok``
-  (zero parts, which rejects the microbatch) when any replica's weight is
-  invalid."""
+  """The microbatch's global contribution to the sums and its global weight."""
   dt = state.dtype
   # The converted weight, zero where invalid (subnormal or out-of-range
   # weights follow the core's rules).
@@ -227,8 +210,8 @@ def global_contribution(
 def _global_weight(
   sums: list[Any], wt: validation.Weight, axes: tuple[str, ...]
 ) -> tuple[list[Any], validation.Weight]:
-  """``sums`` and the weight pair summed in one collective round; any
-  replica's invalid weight rejects the microbatch on every replica."""
+  """``sums`` and the weight pair summed in one collective round; any replica's
+  invalid weight rejects the microbatch on every replica."""
   scalars = {
     "weight_hi": jnp.asarray(wt.hi),
     "weight_lo": jnp.asarray(wt.lo),

@@ -28,8 +28,8 @@ def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
 def leaf_status(
   leaves: list[Any], paths: list[str], axes: tuple[str, ...], what: str
 ) -> bool:
-  """True when all leaves are already reduced over ``axes``, False when all
-  are local; raises for a mixture."""
+  """True when all leaves are already reduced over ``axes``, False when all are
+  local; raises for a mixture."""
   if not _tree.vma_checked(axes):
     return False
   status = None

@@ -7,7 +7,6 @@ import this layer). The contexts and what each computes: ``docs/scaling.md``.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import numpy as np
@@ -45,15 +44,21 @@ def where(state: AccumState, what: str, *, adds: bool = False) -> str:
   pl, lead = state.placement, np.shape(state.weight_hi)
   manual = set(tree_utils.manual_axes())
   if pl.kind != base.STACKED and lead:
-    raise _err(what, f"a {pl.kind} window has scalar counters, this one "
+    raise _err(
+      what,
+      f"a {pl.kind} window has scalar counters, this one "
       f"{lead}: a jax.vmap batch of windows (read it under jax.vmap) or one "
-      "restored into a template of another kind (use its abstract_state).")
+      "restored into a template of another kind (use its abstract_state).",
+    )
   if pl.kind == base.GLOBAL:
     local = manual & tree_utils.varying_axes(state.weight_hi)
     if local and what in MEANS:
-      raise _err(what, f"this global window holds per-replica sums over "
+      raise _err(
+        what,
+        f"this global window holds per-replica sums over "
         f"{tuple(sorted(local))}: make it with wa.init(params, axis_name=...)"
-        ", or close it with finish_sums and distributed.reduce_sums.")
+        ", or close it with finish_sums and distributed.reduce_sums.",
+      )
     return GLOBAL
   if pl.kind == base.REPLICA:
     if pl.reduce == "microbatch" and not adds:
@@ -61,16 +66,22 @@ def where(state: AccumState, what: str, *, adds: bool = False) -> str:
     validation.bound_axes(pl.axes, what=f"{what}(state)")
     return REPLICA
   if manual & set(pl.axes) and not tree_utils.bound(pl.axes):
-    raise _err(what, f"this window is stacked over {pl.axes}, but only "
+    raise _err(
+      what,
+      f"this window is stacked over {pl.axes}, but only "
       f"{tuple(sorted(manual & set(pl.axes)))} are shard_map axes here; "
-      "enter shard_map over all of them (distributed.window_specs).")
+      "enter shard_map over all of them (distributed.window_specs).",
+    )
   if tree_utils.bound(pl.axes):
     replicas.check_block(state, 1, what)
     return BLOCK
   if adds:
-    raise _err(what, f"this window is stacked per replica over {pl.axes}: "
+    raise _err(
+      what,
+      f"this window is stacked per replica over {pl.axes}: "
       "add to it inside shard_map over those axes (distributed.window_specs), "
-      "or with f.accumulate of microbatched_value_and_grad(..., axis_name=...).")
+      "or with f.accumulate of microbatched_value_and_grad(..., axis_name=...).",
+    )
   replicas.mesh_of(state, pl.axes, what)
   return STACKED
 
@@ -88,12 +99,19 @@ def accumulate(state, grads, weight, *, mean, checked, name) -> AccumState:
       state, grads, weight, mean=mean, checked=checked, name=name
     )
     local = set(tree_utils.manual_axes()) & set().union(
-      *(tree_utils.varying_axes(g) - tree_utils.varying_axes(b)
-        for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(state.grads)))
+      *(
+        tree_utils.varying_axes(g) - tree_utils.varying_axes(b)
+        for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(state.grads))
+      )
     )
     axes = tuple(sorted(local))
-    return new.replace(**{k: tree_utils.to_varying(getattr(new, k), axes)
-                          for k in window.PAIR}) if axes else new
+    return (
+      new.replace(
+        **{k: tree_utils.to_varying(getattr(new, k), axes) for k in window.PAIR}
+      )
+      if axes
+      else new
+    )
   kw = dict(mean=mean, checked=checked, name=name)
   if at == BLOCK:
     axes = state.placement.axes
@@ -111,12 +129,19 @@ def finish_mean(state, ls, checked):
     return finishing.finish_global(state, ls, checked)
   if at == BLOCK:
     axes = state.placement.axes
-    out, new = finish_mean(replicas.unstack(state, axes, "finish_mean"), ls, checked)
+    out, new = finish_mean(
+      replicas.unstack(state, axes, "finish_mean"), ls, checked
+    )
     return out, replicas.stack(new, axes)
   if at == STACKED:
     return replicas.finish_mean(state, state.placement.axes, ls)
-  out, new, _ = window.finish(state, mean=True, next_loss_scale=ls,
-                              axes=state.placement.axes, what="finish_mean")
+  out, new, _ = window.finish(
+    state,
+    mean=True,
+    next_loss_scale=ls,
+    axes=state.placement.axes,
+    what="finish_mean",
+  )
   return out, new
 
 
@@ -133,7 +158,10 @@ def peek_mean(state):
   if not tree_utils.is_traced(state.weight_hi):
     validation.nonempty_window(state, what="peek_mean")
   if at == BLOCK:
-    state, at = replicas.unstack(state, state.placement.axes, "peek_mean"), REPLICA
+    state, at = (
+      replicas.unstack(state, state.placement.axes, "peek_mean"),
+      REPLICA,
+    )
   if at == STACKED:
     return _peek_stacked(state, state.placement.axes)
   axes = state.placement.axes if at == REPLICA else ()
@@ -143,7 +171,9 @@ def peek_mean(state):
 @functools.partial(jax.jit, static_argnums=1)
 def _peek_stacked(state: AccumState, axes: tuple[str, ...]):
   """A stacked window's mean under plain ``jit``: one reduction first."""
-  glob = replicas.to_global(state, axes, replicas.mesh_of(state, axes, "peek_mean"))
+  glob = replicas.to_global(
+    state, axes, replicas.mesh_of(state, axes, "peek_mean")
+  )
   return open_window._peek_kernel(glob, ())
 
 
@@ -154,37 +184,60 @@ def apply_window(tx, state, params, opt_state, ls):
   if at == BLOCK:
     axes = state.placement.axes
     p, o, new, out = apply_window(
-      tx, replicas.unstack(state, axes, what), params, opt_state, ls)
+      tx, replicas.unstack(state, axes, what), params, opt_state, ls
+    )
     return p, o, replicas.stack(new, axes), out
   if at != STACKED:
-    return finishing.apply_global(tx, state, params, opt_state, ls,
-                                  state.placement.axes if at == REPLICA else ())
+    return finishing.apply_global(
+      tx,
+      state,
+      params,
+      opt_state,
+      ls,
+      state.placement.axes if at == REPLICA else (),
+    )
   tree_utils.match_tree(
-    jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads),
-    params, what=f"{what}(params)", ref_name="the accumulator's buffers")
+    jax.tree.map(
+      lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads
+    ),
+    params,
+    what=f"{what}(params)",
+    ref_name="the accumulator's buffers",
+  )
   return _apply_stacked(tx, state, params, opt_state, ls, state.placement.axes)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _apply_stacked(tx, state, params, opt_state, next_loss_scale, axes):
-  """A stacked window applied under plain ``jit``: one reduction (FSDP
-  buffers reduce-scattered onto their params' Explicit layout), one close."""
+  """A stacked window applied under plain ``jit``."""
   mesh = replicas.mesh_of(state, axes, "apply_window")
   leaves, explicit = None, layout_.explicit(mesh, axes, what="apply_window")
   if explicit:
-    leaves = tuple(layout_.leaf(jax.typeof(p).sharding.spec, axes, p.ndim,
-                                path, what="apply_window")
-                   for path, p in tree_utils.flat(params))
+    leaves = tuple(
+      layout_.leaf(
+        jax.typeof(p).sharding.spec, axes, p.ndim, path, what="apply_window"
+      )
+      for path, p in tree_utils.flat(params)
+    )
     # A reduce-scatter cannot keep another Explicit axis: psum those.
-    leaves = tuple(e if {a for en in e.spec for a in layout_.names(en)} <= set(axes) else
-                   layout_.Leaf(e.spec) for e in leaves)
+    leaves = tuple(
+      e
+      if {a for en in e.spec for a in layout_.names(en)} <= set(axes)
+      else layout_.Leaf(e.spec)
+      for e in leaves
+    )
   glob = replicas.to_global(state, axes, mesh, leaves)
   if explicit:
-    glob = glob.replace(grads=jax.tree.map(
-      lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec),
-      glob.grads, params))
+    glob = glob.replace(
+      grads=jax.tree.map(
+        lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec),
+        glob.grads,
+        params,
+      )
+    )
   params, opt_state, closed, out = finishing._apply_window_kernel(
-    tx, glob, params, opt_state, next_loss_scale, ())
+    tx, glob, params, opt_state, next_loss_scale, ()
+  )
   return params, opt_state, replicas.next_window(state, closed), out
 
 
@@ -195,7 +248,11 @@ def check(state: AccumState, what: str) -> AccumState:
 
 
 base.PLACED.update(
-  init=init, accumulate=accumulate, finish_mean=finish_mean,
-  finish_sums=finish_sums, peek_mean=peek_mean, apply_window=apply_window,
+  init=init,
+  accumulate=accumulate,
+  finish_mean=finish_mean,
+  finish_sums=finish_sums,
+  peek_mean=peek_mean,
+  apply_window=apply_window,
   check=check,
 )

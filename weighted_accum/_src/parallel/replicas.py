@@ -44,8 +44,7 @@ PER_REPLICA = ("grads",) + COUNTS
 
 
 def is_stacked(state: AccumState) -> bool:
-  """Whether ``state`` is a stacked window (or a block of one): read from
-  its placement, never from its shapes."""
+  """Whether ``state`` is a stacked window (or a block of one)."""
   return state.placement.kind == base.STACKED
 
 
@@ -53,17 +52,15 @@ bound = tree_utils.bound
 
 
 def as_varying(state: AccumState, axes: Axes) -> AccumState:
-  """``state`` with its per-replica fields typed varying over ``axes``
-  (inside ``shard_map``): a per-replica window that can be a ``lax.scan``
-  carry, whose type may not change."""
+  """``state`` with its per-replica fields typed varying over ``axes`` (inside
+  ``shard_map``)."""
   return state.replace(
     **{k: tree_utils.to_varying(getattr(state, k), axes) for k in PER_REPLICA}
   )
 
 
 def specs(state: AccumState, axes: Axes) -> AccumState:
-  """The ``shard_map`` specs of a stacked window (a prefix tree):
-  ``P(axes)`` for the per-replica fields, ``P()`` for the shared ones."""
+  """The ``shard_map`` specs of a stacked window (a prefix tree)."""
   one = P(layout_.entry(axes))
   fields = {
     k: one if k in PER_REPLICA else P() for k in ("grads",) + base.NAMES
@@ -72,8 +69,8 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
 
 
 def check_block(state: AccumState, n: int, what: str) -> None:
-  """Refuses a stacked window whose replica axis is not ``n`` long or not
-  laid over its axes (e.g. moved to one device with ``jax.device_put``)."""
+  """Refuses a stacked window whose replica axis is not ``n`` long or not laid
+  over its axes (e.g."""
   axes, s = state.placement.axes, getattr(state.weight_hi, "sharding", None)
   if not tree_utils.is_traced(state.weight_hi) and not (
     isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
@@ -94,8 +91,8 @@ def check_block(state: AccumState, n: int, what: str) -> None:
 
 
 def unstack(block: AccumState, axes: Axes, what: str) -> AccumState:
-  """This replica's per-replica window from its block ``[1, ...]`` of a
-  stacked window (inside ``shard_map`` over ``axes``)."""
+  """This replica's per-replica window from its block ``[1, ...]`` of a stacked
+  window (inside ``shard_map`` over ``axes``)."""
   check_block(block, 1, what)
   return block.replace(
     placement=base.Placement(base.REPLICA, axes, "window"),
@@ -120,8 +117,8 @@ def stack(state: AccumState, axes: Axes) -> AccumState:
 
 
 def _params_mesh(params: Any, axes: Axes, what: str) -> Any:
-  """A concrete mesh from a param's ``NamedSharding``, else the mesh of
-  the params' types or the context mesh."""
+  """A concrete mesh from a param's ``NamedSharding``, else the mesh of the
+  params' types or the context mesh."""
   for x in jax.tree.leaves(params):
     s = getattr(x, "sharding", None)
     concrete = isinstance(s, NamedSharding) and not tree_utils.is_traced(x)
@@ -131,8 +128,7 @@ def _params_mesh(params: Any, axes: Axes, what: str) -> Any:
 
 
 def _rest(x: Any, axes: Axes, is_explicit: bool) -> tuple:
-  """The spec of a stacked leaf beyond its replica axis: its param's spec
-  without the data axes (each replica holds a full-size partial sum)."""
+  """The spec of a stacked leaf beyond its replica axis."""
   ndim = np.ndim(x)
   s = getattr(x, "sharding", None)
   if tree_utils.is_traced(x):
@@ -158,10 +154,8 @@ def _stacked_zeros(x: Any, n: int, mesh: Any, axes: Axes, is_explicit: bool):
 
 
 def _check_placeable(mesh: Any, axes: Axes, is_explicit: bool, what: str):
-  """Under ``jax.jit`` on ``Auto`` axes the params' types name the mesh
-  but not its devices: without a context mesh the stacked buffers could
-  not be laid over the replicas (all N partial sums would land on one
-  device), so that case is refused, saying what to do."""
+  """Under ``jax.jit`` on ``Auto`` axes the params' types name the mesh but not
+  its devices."""
   if isinstance(mesh, jax.sharding.Mesh) or is_explicit:
     return
   ctx = jax.sharding.get_abstract_mesh()
@@ -176,10 +170,8 @@ def _check_placeable(mesh: Any, axes: Axes, is_explicit: bool, what: str):
 
 
 def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
-  """The stacked window of ``state`` (a fresh ``wa.init`` window of
-  ``params``, its buffers on the params' shardings): zeros ``[N, ...]`` for
-  every per-replica field, sharded over ``axes`` on the replica axis and
-  like the param (without the data axes) on the others."""
+  """The stacked window of ``state`` (a fresh ``wa.init`` window of ``params``,
+  its buffers on the params' shardings)."""
   mesh = _params_mesh(params, axes, what)
   is_explicit = layout_.explicit(mesh, axes, what=what)
   _check_placeable(mesh, axes, is_explicit, what)
@@ -209,11 +201,7 @@ def mesh_of(state: AccumState, axes: Axes, what: str) -> Any:
 def to_global(
   state: AccumState, axes: Axes, mesh: Any, leaves: tuple | None = None
 ) -> AccumState:
-  """The global window of a stacked one, in one collective round (the
-  buffers, the exact weight pair and the counts; ``window.psum_window``)
-  inside a partial-manual ``shard_map`` over ``axes``. ``leaves``: the
-  params' layouts (``spmd_layout.Leaf``), whose FSDP buffers are
-  reduce-scattered onto the param's sharding; default: all psummed."""
+  """The global window of a stacked one, in one collective round."""
   n_leaves = len(jax.tree.leaves(state.grads))
   leaves = leaves or (layout_.Leaf(None),) * n_leaves
   plan = layout_.plan(leaves, axes, scattered=False)
@@ -244,10 +232,8 @@ def to_global(
 
 
 def next_window(stacked: AccumState, closed: AccumState) -> AccumState:
-  """The stacked window after ``stacked`` was closed as ``closed`` (the
-  global next window from the one close path): fresh zero buffers, the
-  per-replica counts reset, or kept where the close kept an empty window
-  (``windows`` unchanged), the shared counters ``closed``'s."""
+  """The stacked window after ``stacked`` was closed as ``closed`` (the global
+  next window from the one close path)."""
   kept = closed.windows == stacked.windows
   counts = {
     k: jnp.where(kept, getattr(stacked, k), jnp.zeros_like(getattr(stacked, k)))
@@ -263,9 +249,7 @@ def next_window(stacked: AccumState, closed: AccumState) -> AccumState:
 
 @functools.partial(jax.jit, static_argnums=1)
 def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
-  """``wa.finish_mean`` of a stacked window under plain ``jit``:
-  one reduction (:func:`to_global`), the one finish path, the next
-  stacked window."""
+  """``wa.finish_mean`` of a stacked window under plain ``jit``."""
   mesh = mesh_of(state, axes, "finish_mean")
   glob = to_global(state, axes, mesh)
   out, closed, _ = window.finish(

@@ -22,14 +22,7 @@ Axes = tuple[str, ...]
 
 
 class Leaf(NamedTuple):
-  """One param leaf's layout over the data axes.
-
-  Attributes:
-    spec: its full ``PartitionSpec`` (``None``: not known, under ``Auto``
-      axes without ``param_specs``).
-    dim: the dimension sharded over data axes (FSDP), or ``None``.
-    scatter: those data axes, major first.
-  """
+  """One param leaf's layout over the data axes."""
 
   spec: Any
   dim: int | None = None
@@ -104,8 +97,8 @@ def find_mesh(arrays: list[Any], axes: Axes, *, what: str) -> Any:
 
 
 def typed_axes(x: Any, axis: int) -> tuple[Any, Axes] | None:
-  """The mesh and the Explicit axes sharding ``x``'s dimension ``axis``
-  (from its type), or ``None``."""
+  """The mesh and the Explicit axes sharding ``x``'s dimension ``axis`` (from
+  its type), or ``None``."""
   try:
     sharding = jax.typeof(x).sharding
   except (AttributeError, TypeError):
@@ -138,11 +131,7 @@ def explicit(mesh: Any, axes: Axes, *, what: str) -> bool:
 
 
 def plan(leaves: tuple[Leaf, ...], axes: Axes, *, scattered: bool) -> tuple:
-  """How a window's close reduces each buffer (``window.psum_window``):
-  the default (``None``) for a param not sharded over the data axes; for an
-  FSDP param a reduce-scatter over its data axes then a psum over the
-  others, or (``scattered``: the buffer already holds the reduce-scattered
-  shard) the psum only."""
+  """How a window's close reduces each buffer (``window.psum_window``)."""
   out = []
   for e in leaves:
     if not e.scatter:
