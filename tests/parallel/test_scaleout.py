@@ -870,7 +870,7 @@ def test_stacked_windows_are_refused_where_they_do_not_belong():
   grads = jax.tree.map(jnp.zeros_like, params)
   # Added to per replica only (inside shard_map, or f.accumulate).
   with pytest.raises(
-    wa.WeightedAccumulationError, match=r"stacked per replica over .*8 rep"
+    wa.WeightedAccumulationError, match=r"stacked per replica over \(.data.,\): add to it"
   ):
     wa.accumulate_sum(state, grads, 1.0)
   # Closed as what it is: reduced once; an empty one has no mean.
