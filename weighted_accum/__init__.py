@@ -109,17 +109,4 @@ __all__ = (
   "window_counters",
 )
 
-#: Names removed in version 1.0 and their new spelling.
-_MOVED = {
-  "AccumSave": "use weighted_accum.checkpoint.AccumSave.",
-  "AccumRestore": "use weighted_accum.checkpoint.AccumRestore.",
-  "abstract_state": "use weighted_accum.checkpoint.abstract_state.",
-  "local_grad": "use weighted_accum.distributed.local_grad.",
-  "local_value_and_grad": "use weighted_accum.distributed."
-  "local_value_and_grad.",
-  "reduce_sums": "use weighted_accum.distributed.reduce_sums.",
-  "weighted_multi_steps": "use weighted_accum.WeightedMultiSteps(...) (the "
-  "same parameters); pass it where a GradientTransformation is taken, or "
-  "call its .gradient_transformation().",
-}
-__getattr__ = _validation.removed_attribute("weighted_accum", _MOVED)
+__getattr__ = _validation.removed_attribute(__name__)

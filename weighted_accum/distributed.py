@@ -32,18 +32,4 @@ __all__ = [
   "window_specs",
 ]
 
-_MOVED = {
-  "init": "use weighted_accum.init(params, dtype, loss_scale, "
-  "axis_name=..., reduce=...): the window keeps its axes and reduce mode.",
-  "accumulate_sum": "use weighted_accum.accumulate_sum(state, grads, "
-  "weight): the window knows its axes and reduce mode.",
-  "accumulate_mean": "use weighted_accum.accumulate_mean(state, grads, "
-  "weight): the window knows its axes and reduce mode.",
-  "finish_mean": "use weighted_accum.finish_mean(state): the window knows "
-  "its axes and reduce mode.",
-  "REDUCE_MODES": "weighted_accum.init(..., reduce=...) takes 'window' or "
-  "'microbatch'.",
-}
-__getattr__ = _validation.removed_attribute(
-  "weighted_accum.distributed", _MOVED
-)
+__getattr__ = _validation.removed_attribute(__name__)

@@ -268,7 +268,7 @@ def test_window_specs_reads_the_axes_from_the_window(axis_name):
   spelling, refused naming the new one."""
   state = wa.init(_on_mesh(host_params()), axis_name="data")
   assert dist.window_specs(state).weight_hi == P("data")
-  with pytest.raises(Error, match=r"call window_specs\(state\)"):
+  with pytest.raises(Error, match=r"; window_specs\(state\)"):
     dist.window_specs(state, axis_name)
 
 

@@ -136,7 +136,7 @@ WRAPPERS = {
 # An eager update costs about 0.4 s of CPU: the full list goes through the
 # ``should_skip_update_fn`` path (its own weight handling); the other
 # spellings (and TrainState, which forwards to them) get the values that
-# reach the conversion differently (``tests/core/test_hostile.py`` has the rest).
+# reach the conversion differently (``tests/validation/test_hostile.py`` has the rest).
 SHORT = [
   w
   for w in WEIGHTS
@@ -203,7 +203,7 @@ def _jit_update(wrapper):
 @pytest.mark.parametrize("wrapper", ["should_skip_update_fn"])
 def test_wrapper_update_jit(wrapper, weight):
   """The ``should_skip_update_fn`` path (the plain one under ``jit``:
-  ``tests/core/test_hostile.py``); one compilation per weight dtype."""
+  ``tests/validation/test_hostile.py``); one compilation per weight dtype."""
   _, make, ref = weight
   tx, update = _jit_update(wrapper)
   params = host_params()

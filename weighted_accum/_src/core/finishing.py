@@ -303,10 +303,7 @@ def _check_replicas(state: AccumState, params: Any, axes: tuple) -> None:
       )
 
 
-@validation.refuse_removed(
-  axis_name="The window knows its axes: make it with wa.init(params, "
-  "axis_name=...) and call apply_window(tx, state, params, opt_state)."
-)
+@validation.refuse_removed("axis_name")
 def apply_window(
   tx: optax.GradientTransformation,
   state: AccumState | AccumulatedGradients,

@@ -9,7 +9,6 @@ pattern and checkpointing are described in ``docs/mixed_precision.md``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -100,19 +99,11 @@ class DynamicLossScale(validation.ScaleSource):
     Raises:
       WeightedAccumulationError: naming the first invalid argument.
     """
-    gf = validation.scaler_factor(
-      growth_factor,
-      what=f"{_NAME}: growth_factor",
-      low=1.0,
-      high=math.inf,
-      rule="a number > 1",
+    gf = validation.float32_option(
+      growth_factor, what=f"{_NAME}: growth_factor", rule="> 1", low=1.0
     )
-    bf = validation.scaler_factor(
-      backoff_factor,
-      what=f"{_NAME}: backoff_factor",
-      low=0.0,
-      high=1.0,
-      rule="a number in (0, 1)",
+    bf = validation.float32_option(
+      backoff_factor, what=f"{_NAME}: backoff_factor", rule="in (0, 1)", high=1
     )
     interval = validation.static_int(
       growth_interval,
@@ -120,7 +111,9 @@ class DynamicLossScale(validation.ScaleSource):
       hint="It is the number of consecutive finite windows before the "
       "scale grows, e.g. 2000.",
     )
-    ms = validation.scaler_min_scale(min_scale, what=f"{_NAME}: min_scale")
+    ms = validation.float32_option(
+      min_scale, what=f"{_NAME}: min_scale", rule="the lowest loss scale"
+    )
     _set_fields(
       self,
       validation.scaler_scale(scale, what=f"{_NAME}: scale", min_scale=ms),

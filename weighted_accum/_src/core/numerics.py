@@ -19,6 +19,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from weighted_accum._src.validation.values import int_view as _int_view
+from weighted_accum._src.validation.values import (
+  is_normal_or_zero as is_normal_or_zero,
+)
+
 # ------------------------------------------------------------------ tally --
 
 
@@ -125,23 +130,6 @@ def computed_once(x: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------ bits --
-
-
-def _int_view(x: jax.Array) -> tuple[jax.Array, Any]:
-  dt = np.dtype(x.dtype)
-  ibits = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[dt.itemsize]
-  return lax.bitcast_convert_type(x, ibits), ibits
-
-
-def is_normal_or_zero(x: jax.Array) -> jax.Array:
-  """False for subnormal values, decided on the bits: XLA:CPU flushes
-  subnormals to zero in some fusions and not in others, so a comparison such
-  as ``x > 0`` cannot be trusted to classify them."""
-  fi = jnp.finfo(x.dtype)
-  bits, ibits = _int_view(x)
-  magnitude = bits & np.array((1 << (8 * fi.dtype.itemsize - 1)) - 1, ibits)
-  exp_mask = np.array(((1 << fi.nexp) - 1) << fi.nmant, ibits)
-  return ((magnitude & exp_mask) != 0) | (magnitude == 0)
 
 
 def nonzero(x: Any) -> jax.Array:

@@ -51,10 +51,7 @@ def _peek_kernel(state: AccumState, axes: tuple[str, ...]):
   return out
 
 
-@validation.refuse_removed(
-  axis_name="The window knows its axes: make it with wa.init(params, "
-  "axis_name=...) and call peek_mean(state)."
-)
+@validation.refuse_removed("axis_name")
 def peek_mean(
   state: AccumState | WeightedMultiStepsState,
 ) -> AccumulatedGradients:

@@ -15,6 +15,8 @@ from jax.sharding import SingleDeviceSharding
 import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.validation.values import is_traced as is_traced
+from weighted_accum._src.validation.values import varying_axes as varying_axes
 
 
 class LeafReduce(NamedTuple):
@@ -27,11 +29,6 @@ class LeafReduce(NamedTuple):
   psum: tuple[str, ...]
   scatter: tuple[str, ...] = ()
   dim: int = 0
-
-
-def is_traced(x: Any) -> bool:
-  """True when ``x`` is an abstract value inside a JAX transformation."""
-  return isinstance(x, jax.core.Tracer)
 
 
 def concrete_float(x: Any) -> float | None:
@@ -188,15 +185,6 @@ def check_leaves_floating(
 def bound(axes: tuple[str, ...]) -> bool:
   """Whether an enclosing ``shard_map`` made every one of ``axes`` manual."""
   return set(axes) <= set(manual_axes())
-
-
-def varying_axes(x: Any) -> frozenset:
-  """The ``shard_map`` mesh axes ``x`` varies over (empty outside one)."""
-  aval = jax.typeof(x)
-  v = getattr(aval, "vma", None)
-  if v is None:
-    v = getattr(getattr(aval, "mat", None), "varying", frozenset())
-  return frozenset(v)
 
 
 def manual_axes() -> tuple[str, ...]:

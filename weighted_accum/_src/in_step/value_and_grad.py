@@ -25,16 +25,7 @@ from weighted_accum._src.parallel.spmd_layout import DataParallel
 
 
 @validation.refuse_removed(
-  batch_argnames="batch_argnums takes keyword names too: "
-  "batch_argnums='mask', or ('x', 'mask').",
-  in_axes="Give each batch argument's axis in a mapping: "
-  "batch_argnums={1: 0, 'mask': 1} (argument -> batch axis).",
-  data_axes="axis_name=... covers it: called under plain jax.jit, f takes "
-  "the global batch sharded over those axes; inside shard_map, this "
-  "replica's rows.",
-  param_specs="Pass axis_name=wa.distributed.DataParallel(axes, "
-  "param_specs=...).",
-  fsdp="Pass axis_name=wa.distributed.DataParallel(axes, fsdp=...).",
+  "batch_argnames", "in_axes", "data_axes", "param_specs", "fsdp"
 )
 def microbatched_value_and_grad(
   loss_fn: Callable[..., Any],

@@ -258,13 +258,7 @@ def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
   return out, next_window(state, closed)
 
 
-_AXES_FROM_WINDOW = (
-  "The window knows its axes (wa.init(params, axis_name=...)): call "
-  "window_specs(state)."
-)
-
-
-@validation.refuse_removed(arity=1, axis_name=_AXES_FROM_WINDOW)
+@validation.refuse_removed("axis_name", arity=1)
 def window_specs(state: AccumState) -> AccumState:
   """The ``jax.shard_map`` specs of a stacked per-replica window.
 

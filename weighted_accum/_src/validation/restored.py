@@ -1,7 +1,5 @@
-"""Values restored from a checkpoint or handed to ``from_buffers``: the
-counters, each converted to its stored dtype and validated, then checked
-against each other.
-"""
+"""Counters restored from a checkpoint or handed to ``from_buffers``: each
+converted to its stored dtype and validated, then checked together."""
 
 from __future__ import annotations
 
@@ -11,73 +9,59 @@ from typing import Any
 
 import numpy as np
 
-from weighted_accum._src.core.tree_utils import is_traced
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.validation.options import count
+from weighted_accum._src.validation.values import INT32_MAX
 from weighted_accum._src.validation.values import ScaleSource
 from weighted_accum._src.validation.values import host_number
+from weighted_accum._src.validation.values import is_traced
 from weighted_accum._src.validation.values import loss_scale
 from weighted_accum._src.validation.values import weight
 
-# ---------------------------------------------------------- saved counters --
+_CORRUPT = "The checkpoint is corrupt."
 
 
-def _saved_weight_part(what: str, name: str, v: Any, dtype: np.dtype) -> Any:
-  """A part of the weight pair: exactly a finite value of its dtype (the
-  pair is checked as a whole in :func:`_check_consistent`)."""
-  v = host_number(
-    v, what=f"{what}: counter {name!r}", noun="a part of the total weight"
+def _saved_value(kind: str, where: str, v: Any, dt: np.dtype) -> Any:
+  """One counter in its stored dtype: a count whole, a weight part exactly,
+  a scale as a loss scale (NaN: an unusable window, restored as saved)."""
+  is_bool = (
+    isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", 0) == np.bool_
   )
-  if not math.isfinite(v):
-    return v  # reported as the total's fault
+  v = host_number(
+    v.scale if isinstance(v, ScaleSource) else v, what=where, noun=f"a {kind}"
+  )
+  if kind == "count":
+    if is_bool or not float(v).is_integer() or not 0 <= v <= INT32_MAX:
+      raise WeightedAccumulationError(
+        f"{where} is {v!r}; expected a whole number in [0, 2**31). {_CORRUPT}"
+      )
+    return int(v)
+  if kind == "scale":
+    return dt.type(v) if math.isnan(v) else loss_scale(v, what=where, dtype=dt)
   with np.errstate(over="ignore"):
-    stored = dtype.type(v)  # inf when beyond the dtype: refused below
-  tiny = float(np.finfo(dtype).tiny)
-  if not np.isfinite(stored) or float(stored) != v or 0 < abs(v) < tiny:
+    stored = dt.type(v)
+  tiny = float(np.finfo(dt).tiny)
+  if math.isfinite(v) and (float(stored) != v or 0 < abs(v) < tiny):
     raise WeightedAccumulationError(
-      f"{what}: counter {name!r} is {v!r}, which is not a finite {dtype} "
-      "value outside the subnormal range (the tally stores it as one, and "
-      "arithmetic flushes subnormals). The checkpoint is corrupt."
+      f"{where} is {v!r}; expected a normal {dt} value. {_CORRUPT}"
     )
   return stored
-
-
-def _saved_value(kind: str, what: str, name: str, v: Any, dt: np.dtype) -> Any:
-  if kind == "count":
-    return count(v, what=what, name=name)
-  if kind == "weight":
-    return _saved_weight_part(what, name, v, dt)
-  if isinstance(v, ScaleSource):  # a DynamicLossScale stands for its scale
-    v = v.scale
-  v = host_number(v, what=f"{what}: counter {name!r}", noun="a loss scale")
-  if math.isnan(v):
-    # The library's mark of an unusable window (docs/inputs.md): restored
-    # as it was saved; the window is usable again after a valid
-    # next_loss_scale at its close.
-    return dt.type(math.nan)
-  return loss_scale(v, what=f"{what}: counter {name!r}", dtype=dt)
 
 
 def _check_consistent(out: Mapping[str, Any], what: str) -> None:
   hi, lo = float(out["weight_hi"]), float(out["weight_lo"])
   total = hi + lo
-  if not (
-    math.isfinite(total) and total >= 0 and hi >= 0 and abs(lo) <= abs(hi)
+  if not (math.isfinite(total) and hi >= 0 and abs(lo) <= abs(hi)):
+    raise WeightedAccumulationError(
+      f"{what}: counter 'total_weight' is {total!r}, expected a finite "
+      f"non-negative sum of item counts. {_CORRUPT}"
+    )
+  if out["zero_weight"] + out["rejected"] > out["issued"] or (
+    out["issued"] == 0 and total != 0
   ):
+    shown = {k: out[k] for k in ("issued", "zero_weight", "rejected")}
     raise WeightedAccumulationError(
-      f"{what}: counter 'total_weight' is {total!r}; a window's weight is a "
-      "finite non-negative sum of item counts. The checkpoint is corrupt."
-    )
-  if out["zero_weight"] + out["rejected"] > out["issued"]:
-    raise WeightedAccumulationError(
-      f"{what}: counters 'zero_weight' ({out['zero_weight']}) + 'rejected' "
-      f"({out['rejected']}) exceed 'issued' ({out['issued']}). The "
-      "checkpoint is corrupt."
-    )
-  if out["issued"] == 0 and total != 0:
-    raise WeightedAccumulationError(
-      f"{what}: counter 'total_weight' is {total!r} but 'issued' is 0. The "
-      "checkpoint is corrupt."
+      f"{what}: counters {shown} and total_weight {total!r} disagree "
+      f"('zero_weight' + 'rejected' <= 'issued'). {_CORRUPT}"
     )
 
 
@@ -89,50 +73,42 @@ def saved_counters(
   what: str,
 ) -> dict[str, Any]:
   """Checks saved counters (``state.counters``) and returns the values to
-  store, each converted to its stored dtype then validated.
+  store.
 
-  ``table`` is the counter table (``base.COUNTERS``: name, metadata with
-  ``kind`` and ``initial``), ``dtype_of(name)`` each counter's stored dtype.
+  ``table`` is ``base.COUNTERS`` (name, metadata with ``kind`` and
+  ``initial``), ``dtype_of(name)`` each counter's stored dtype;
   ``total_weight`` may stand in for ``weight_hi``/``weight_lo``; a missing
   counter takes its initial value.
-
-  Raises:
-    WeightedAccumulationError: naming the first invalid or unknown counter.
   """
-  if not isinstance(counters, Mapping):
-    raise WeightedAccumulationError(
-      f"{what}: expected a mapping of counters (state.counters), got "
-      f"{type(counters).__name__}."
-    )
   known = {name for name, _ in table} | {"total_weight"}
-  unknown = sorted(map(str, set(counters) - known))
-  if unknown:
+  got = dict(counters) if isinstance(counters, Mapping) else {None: None}
+  unknown = sorted(map(str, set(got) - known))
+  both = "total_weight" in got and got.keys() & {"weight_hi", "weight_lo"}
+  if unknown or both:
+    bad = f"unknown counter {unknown[0]!r}" if unknown else "both weights"
     raise WeightedAccumulationError(
-      f"{what}: unknown counter {unknown[0]!r}; expected keys among "
-      f"{sorted(known)}."
+      f"{what}: {bad}; expected a mapping like state.counters, keys among "
+      f"{sorted(known)} ('total_weight' or 'weight_hi'/'weight_lo')."
     )
-  for name, value in counters.items():
+  for name, value in got.items():
     if is_traced(value):
       raise WeightedAccumulationError(
-        f"{what}: counter {name!r} is a traced value; restored counters are "
-        "validated as concrete values, so call this outside jit."
+        f"{what}: counter {name!r} is traced; counters are checked as "
+        "concrete values, so call this outside jit."
       )
-  values = dict(counters)
-  if "total_weight" in values:
-    if "weight_hi" in values or "weight_lo" in values:
-      raise WeightedAccumulationError(
-        f"{what}: give either 'total_weight' or 'weight_hi'/'weight_lo', "
-        "not both."
-      )
+  if "total_weight" in got:
     w = weight(
-      values.pop("total_weight"),
+      got.pop("total_weight"),
       what=f"{what}: counter 'total_weight'",
       tally=dtype_of("weight_hi"),
     )
-    values.update(weight_hi=w.hi, weight_lo=w.lo)
+    got.update(weight_hi=w.hi, weight_lo=w.lo)
   out = {
     name: _saved_value(
-      c.kind, what, name, values.get(name, c.initial), dtype_of(name)
+      c.kind,
+      f"{what}: counter {name!r}",
+      got.get(name, c.initial),
+      dtype_of(name),
     )
     for name, c in table
   }

@@ -144,7 +144,7 @@ def test_finish_mean_zero_weight_eager_raises_and_nothing_cleared():
   before = _snapshot(st)
   with pytest.raises(
     wa.WeightedAccumulationError,
-    match=r"total weight is 0.0 after 1 microbatch.*Nothing was cleared",
+    match=r"total weight is 0.0 after 1 microbatch.*nothing cleared",
   ):
     wa.finish_mean(st)
   _assert_same(st, before)

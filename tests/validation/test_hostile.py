@@ -407,7 +407,7 @@ def test_wide_integer_weights_do_not_wrap(obj, total):
 
 def test_subnormal_weight_never_adds_what_the_tally_drops():
   for w in [1e-38, 1e-40, 1e-45, np.float32(1e-40)]:
-    with pytest.raises(Error, match="smallest normal"):
+    with pytest.raises(Error, match="subnormal"):
       wa.accumulate_sum(BASE, GRADS, w)
   z = wa.init(PARAMS)
   for w in [1e-38, 1e-40, 1e-45]:
@@ -1010,7 +1010,7 @@ def test_wrapper_finish_flag_accepted_or_named(finish, ok):
     ("loss_scale", 1e-40, "loss_scale"),
     ("loss_scale", np.inf, "loss_scale"),
     ("issued", -1, "issued"),
-    ("rejected", 7, "exceed 'issued'"),
+    ("rejected", 7, "<= 'issued'"),
     ("weight_hi", -3.0, "total_weight"),
     ("weight_hi", np.inf, "total_weight"),
     ("weight_lo", 1e-40, "weight_lo"),
