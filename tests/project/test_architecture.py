@@ -1,33 +1,59 @@
-"""The layout's rules, checked from the source: no import cycle between the
-package's modules, every public name one hop from ``weighted_accum``, small
-modules and functions, and every value a caller hands in passing through the
-one validation module."""
+"""The layout's rules, checked from the source: the layers of ``_src`` and
+the import graph counted through package ``__init__``s, every public name
+one hop from ``weighted_accum``, small modules and functions, few keyword
+flags, no broad ``except`` that swallows, a test folder per subpackage.
+
+Where a rule is not met yet, the test compares against a documented
+ceiling (``*_CEILING``, ``KNOWN_*``) of what is left: lower it as the
+restructuring lands, never raise it."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 
-import jax
-import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-import numpy as np
-import optax
-import pytest
-
 import weighted_accum as wa
-from weighted_accum._src import validation
 
 PKG = pathlib.Path(wa.__file__).parent
 MODULES = sorted(PKG.rglob("*.py"))
 
+#: The layers of ``_src``, lowest first (docs/design.md, "Layout"): a
+#: module imports only from its own subpackage or a lower layer.
+LAYERS = {
+  "errors": 0,
+  "validation": 1,
+  "core": 2,
+  "parallel": 3,
+  "in_step": 4,
+  "across_steps": 4,
+  "checkpointing": 4,
+  "planning": 4,
+  "demo": 5,  # python -m weighted_accum, a user of the public API
+  "": 5,  # the public namespaces: weighted_accum, .distributed, .checkpoint
+}
+#: Upward imports left (importer's subpackage, imported subpackage); the
+#: core <-> parallel and core <-> across_steps cycles, being removed.
+KNOWN_UPWARD = {("core", "parallel"), ("core", "across_steps")}
+#: The longest import chain from a module of _src (the public namespaces
+#: and the demo on top of it not counted), package __init__s counted as
+#: modules (the target: 7; 1.0 had 11).
+DEPTH_CEILING = 9
+#: Library lines outside _src/planning/ (the target: 8,000).
+LINE_CEILING = 10_180
+#: Private functions with more than 6 keyword-only/defaulted parameters.
+KNOWN_FLAG_HEAVY = {"core/window.py:finish"}
+#: Broad excepts that do not re-raise (module:function).
+KNOWN_SWALLOWING = {
+  "in_step/value_and_grad.py:_functions",  # the typed data-axes path
+  # probes whether the files read without the template (for the message):
+  "checkpointing/checkpoint.py:AccumCheckpointHandler._restore_failure",
+}
+
 
 def _module_name(path: pathlib.Path) -> str:
-  rel = path.relative_to(PKG.parent).with_suffix("")
-  parts = list(rel.parts)
-  if parts[-1] == "__init__":
-    parts = parts[:-1]
-  return ".".join(parts)
+  parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _is_module(dotted: str) -> bool:
@@ -36,7 +62,8 @@ def _is_module(dotted: str) -> bool:
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-  """The package's modules that ``path`` imports, anywhere in the file."""
+  """The package's modules ``path`` imports anywhere in the file, a
+  package counted as its ``__init__``."""
   found = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.ImportFrom) and node.module:
@@ -51,30 +78,77 @@ def _imports(path: pathlib.Path) -> set[str]:
   return found
 
 
-def test_no_import_cycle_between_modules():
-  graph = {_module_name(p): _imports(p) for p in MODULES}
-  # The package's __init__ re-exports; cycles through it do not count.
-  # Package __init__ modules only re-export: cycles through them (a
-  # submodule importing a sibling through its package) do not count.
-  inits = {_module_name(p) for p in MODULES if p.name == "__init__.py"}
-  graph = {
-    m: {d for d in deps if d not in inits and d in graph}
-    for m, deps in graph.items()
-  }
+GRAPH = {_module_name(p): _imports(p) for p in MODULES}
+
+
+def _layer_of(module: str) -> str:
+  parts = module.split(".")
+  return parts[2] if parts[1:2] == ["_src"] and len(parts) > 2 else ""
+
+
+def test_no_import_cycle_counting_package_inits():
   state: dict[str, int] = {}
 
   def visit(m, stack):
     state[m] = 1
-    for d in graph[m]:
+    for d in GRAPH[m]:
       if state.get(d) == 1:
         raise AssertionError(f"import cycle: {' -> '.join(stack + [m, d])}")
       if d not in state:
         visit(d, stack + [m])
     state[m] = 2
 
-  for m in graph:
+  for m in GRAPH:
     if m not in state:
       visit(m, [])
+
+
+def test_every_subpackage_has_a_layer_and_imports_only_downwards():
+  upward = set()
+  for m, deps in GRAPH.items():
+    for d in deps:
+      a, b = _layer_of(m), _layer_of(d)
+      assert a in LAYERS and b in LAYERS, f"add {a or b!r} to LAYERS"
+      if a != b and LAYERS[a] <= LAYERS[b] and a and b:
+        upward.add((a, b))
+  assert upward <= KNOWN_UPWARD, sorted(upward - KNOWN_UPWARD)
+  assert upward == KNOWN_UPWARD, f"fixed: drop {KNOWN_UPWARD - upward}"
+
+
+def test_design_notes_give_the_layer_order():
+  design = (PKG.parent / "docs" / "design.md").read_text()
+  order = "errors → validation → core → parallel → in_step / across_steps"
+  assert order in design
+
+
+def test_import_chains_counting_package_inits():
+  depth: dict[str, int] = {}
+
+  def longest(m):
+    if m not in depth:
+      depth[m] = 1 + max((longest(d) for d in GRAPH[m]), default=0)
+    return depth[m]
+
+  library = [m for m in GRAPH if _layer_of(m) not in ("", "demo")]
+  deepest = max(library, key=longest)
+  assert longest(deepest) <= DEPTH_CEILING, (deepest, longest(deepest))
+
+
+def test_a_test_folder_per_source_subpackage():
+  tests = PKG.parent / "tests"
+  for sub in (PKG / "_src").iterdir():
+    if (sub / "__init__.py").exists():
+      assert (tests / sub.name).is_dir(), f"tests/{sub.name}/ is missing"
+
+
+def test_library_lines_outside_planning():
+  planning = PKG / "_src" / "planning"
+  n = sum(
+    len(p.read_text().splitlines())
+    for p in MODULES
+    if planning not in p.parents
+  )
+  assert n <= LINE_CEILING, n
 
 
 def test_public_names_are_one_hop_from_the_package():
@@ -138,29 +212,6 @@ def test_no_public_callable_takes_more_than_14_parameters():
       assert n <= 14, f"{full}{'.' + where if where else ''}: {n} parameters"
 
 
-def _import_graph() -> dict[str, set[str]]:
-  graph = {_module_name(p): _imports(p) for p in MODULES}
-  inits = {_module_name(p) for p in MODULES if p.name == "__init__.py"}
-  return {
-    m: {d for d in deps if d not in inits and d in graph}
-    for m, deps in graph.items()
-    if m not in inits
-  }
-
-
-def test_import_chains_are_at_most_7_modules_deep():
-  graph = _import_graph()
-  depth: dict[str, int] = {}
-
-  def longest(m):
-    if m not in depth:
-      depth[m] = 1 + max((longest(d) for d in graph[m]), default=0)
-    return depth[m]
-
-  deepest = max(graph, key=longest)
-  assert longest(deepest) <= 7, (deepest, longest(deepest))
-
-
 def test_design_notes_map_every_module():
   design = (PKG.parent / "docs" / "design.md").read_text()
   for path in MODULES:
@@ -168,25 +219,6 @@ def test_design_notes_map_every_module():
       continue
     rel = path.relative_to(PKG / "_src").with_suffix("").as_posix()
     assert f"`{rel}`" in design or f"`{rel}`," in design, rel
-
-
-def test_removed_spellings_are_refused_naming_the_new_one():
-  for ns, name, new in [
-    (wa, "weighted_multi_steps", "WeightedMultiSteps"),
-    (wa, "AccumSave", "checkpoint.AccumSave"),
-    (wa, "local_grad", "distributed.local_grad"),
-    (wa.distributed, "init", "weighted_accum.init"),
-    (wa.distributed, "finish_mean", "weighted_accum.finish_mean"),
-  ]:
-    with pytest.raises(AttributeError, match=new):
-      getattr(ns, name)
-  state = wa.init(PARAMS)
-  with pytest.raises(wa.WeightedAccumulationError, match="wa.init"):
-    wa.peek_mean(state, axis_name="data")
-  with pytest.raises(wa.WeightedAccumulationError, match="DataParallel"):
-    wa.microbatched_value_and_grad(lambda p, b: 0, 2, mode="sum", fsdp="x")
-  with pytest.raises(wa.WeightedAccumulationError, match="batch_argnums"):
-    wa.microbatched_value_and_grad(lambda p, b: 0, 2, mode="sum", in_axes=1)
 
 
 def _code_lines(node) -> int:
@@ -219,125 +251,72 @@ def test_errors_module_holds_the_exception_only():
   assert [d.name for d in defs] == ["WeightedAccumulationError"]
 
 
-# -- every value a caller hands in goes through the validation module --------
+def _functions():
+  """(path relative to _src or the package, qualified name, node) of every
+  function, nested ones as ``outer.<locals>.inner``."""
+
+  def walk(body, prefix):
+    for node in body:
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        yield prefix + node.name, node
+        yield from walk(node.body, f"{prefix}{node.name}.<locals>.")
+      elif isinstance(node, ast.ClassDef):
+        yield from walk(node.body, f"{prefix}{node.name}.")
+
+  for path in MODULES:
+    rel = path.relative_to(PKG / "_src" if "_src" in path.parts else PKG)
+    for name, node in walk(ast.parse(path.read_text()).body, ""):
+      yield rel.as_posix(), name, node
 
 
-class _Seen:
-  """Spies on the validation module's weight and loss-scale conversions."""
-
-  def __init__(self, monkeypatch):
-    self.values: list[object] = []
-    for name in ("weight", "loss_scale", "optional_loss_scale"):
-      real = getattr(validation, name)
-
-      def spy(x, *a, _real=real, **k):
-        self.values.append(x)
-        return _real(x, *a, **k)
-
-      monkeypatch.setattr(validation, name, spy)
-
-  def saw(self, value) -> bool:
-    return any(v is value for v in self.values)
+def _public_functions() -> set[tuple[str, str]]:
+  found = set()
+  for _, obj in _public_objects():
+    members = vars(obj).values() if inspect.isclass(obj) else [obj]
+    for f in [obj, *members]:
+      f = inspect.unwrap(getattr(f, "__func__", f))
+      if inspect.isfunction(f) or inspect.isclass(f):
+        path = pathlib.Path(inspect.getsourcefile(f) or "/")
+        if PKG in path.parents:
+          base = PKG / "_src" if "_src" in path.parts else PKG
+          found.add((path.relative_to(base).as_posix(), f.__qualname__))
+  return found
 
 
-PARAMS = {"w": jnp.ones(3)}
-GRADS = {"w": jnp.full(3, 2.0)}
+def test_no_private_function_takes_more_than_6_keyword_flags():
+  public = _public_functions()
+  heavy = set()
+  for rel, name, node in _functions():
+    a = node.args
+    positional = a.posonlyargs + a.args
+    flags = a.kwonlyargs + positional[len(positional) - len(a.defaults) :]
+    n = len([f for f in flags if f.arg != "self"])
+    if n > 6 and (rel, name) not in public:
+      heavy.add(f"{rel}:{name}")
+  assert heavy <= KNOWN_FLAG_HEAVY, sorted(heavy - KNOWN_FLAG_HEAVY)
+  assert heavy == KNOWN_FLAG_HEAVY, f"fixed: drop {KNOWN_FLAG_HEAVY - heavy}"
 
 
-def _weights():
-  return np.float32(3.0), np.float32(2.0)  # distinct objects per call
+def _broad(handler: ast.ExceptHandler) -> bool:
+  t = handler.type
+  names = t.elts if isinstance(t, ast.Tuple) else [t]
+  return t is None or any(
+    isinstance(n, ast.Name) and n.id in ("Exception", "BaseException")
+    for n in names
+  )
 
 
-@pytest.mark.parametrize(
-  "call",
-  [
-    "accumulate_sum",
-    "accumulate_mean",
-    "wrapper",
-    "train_state",
-    "distributed",
-  ],
-)
-def test_every_weight_reaches_the_validation_module(monkeypatch, call):
-  seen = _Seen(monkeypatch)
-  w, _ = _weights()
-  state = wa.init(PARAMS)
-  if call in ("accumulate_sum", "accumulate_mean"):
-    getattr(wa, call)(state, GRADS, w)
-  elif call == "wrapper":
-    tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode="mean")
-    tx.update(GRADS, tx.init(PARAMS), PARAMS, weight=w)
-  elif call == "train_state":
-    ts = wa.TrainState.create(
-      apply_fn=None,
-      params=PARAMS,
-      tx=wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode="mean"),
-    )
-    ts.apply_gradients(grads=GRADS, weight=w)
-  else:
-    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-
-    def step(p, g):
-      s = wa.init(p, axis_name="data")
-      return wa.accumulate_sum(s, g, w).issued
-
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(P(), P()),
-      out_specs=P(),
-      check_vma=False,
-    )(PARAMS, GRADS)
-  assert seen.saw(w)
-
-
-@pytest.mark.parametrize(
-  "call",
-  [
-    "init",
-    "finish_sums",
-    "finish_mean",
-    "apply_window",
-    "set_loss_scale",
-    "wrapper_loss_scale",
-    "wrapper_next",
-    "in_step",
-    "distributed_finish",
-  ],
-)
-def test_every_loss_scale_reaches_the_validation_module(monkeypatch, call):
-  seen = _Seen(monkeypatch)
-  ls = np.float32(4.0)
-  state = wa.accumulate_sum(wa.init(PARAMS), GRADS, 2.0)
-  tx = optax.sgd(0.1)
-  if call == "init":
-    wa.init(PARAMS, loss_scale=ls)
-  elif call in ("finish_sums", "finish_mean"):
-    getattr(wa, call)(state, next_loss_scale=ls)
-  elif call == "apply_window":
-    wa.apply_window(tx, state, PARAMS, tx.init(PARAMS), next_loss_scale=ls)
-  elif call == "set_loss_scale":
-    wa.set_loss_scale(wa.init(PARAMS), ls)
-  elif call == "wrapper_loss_scale":
-    wa.WeightedMultiSteps(tx, 2, mode="mean", loss_scale=ls)
-  elif call == "wrapper_next":
-    ms = wa.WeightedMultiSteps(tx, 1, mode="mean")
-    ms.update(GRADS, ms.init(PARAMS), PARAMS, weight=1, next_loss_scale=ls)
-  elif call == "in_step":
-    f = wa.microbatched_value_and_grad(
-      lambda p, x: (jnp.sum(p["w"] * x), x.shape[0] * 1.0), 2, mode="sum"
-    )
-    f(PARAMS, jnp.ones((4, 3)), loss_scale=ls)
-  else:
-    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
-
-    def step(p, g):
-      s = wa.init(p, axis_name="data")
-      s = wa.accumulate_sum(s, g, 2.0)
-      out, _ = wa.finish_mean(s, next_loss_scale=ls)
-      return out.weight
-
-    jax.shard_map(
-      step, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False
-    )(PARAMS, GRADS)
-  assert seen.saw(ls)
+def test_no_broad_except_swallows_an_error():
+  swallowing = set()
+  for rel, name, node in _functions():
+    for h in ast.walk(node):
+      if isinstance(h, ast.ExceptHandler) and _broad(h):
+        raises = any(
+          isinstance(n, ast.Raise) for b in h.body for n in ast.walk(b)
+        )
+        if not raises:
+          swallowing.add(f"{rel}:{name.split('.<locals>.')[0]}")
+  assert swallowing <= KNOWN_SWALLOWING, sorted(swallowing - KNOWN_SWALLOWING)
+  assert swallowing == KNOWN_SWALLOWING, (
+    f"fixed: drop {KNOWN_SWALLOWING - swallowing}"
+  )
