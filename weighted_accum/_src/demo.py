@@ -1,17 +1,8 @@
-"""The demo behind ``python -m weighted_accum``: ``optax.MultiSteps`` against
-the full-batch gradient on variable-length data.
-
-A bigram language model (one embedding and one output matrix, pure JAX) on a
-deterministic synthetic corpus of sequences whose lengths vary from 1 to 48
-tokens. One batch is split into K microbatches of equal ROW counts, so they
-hold very different numbers of predicted tokens. The first table feeds the
-same per-microbatch mean-loss gradients to the real ``optax.MultiSteps`` and
-to ``WeightedMultiSteps`` (each wrapping ``optax.identity()``, so the update
-a window emits is its accumulated gradient) and prints each one's error
-against the full-batch gradient, for several K. Then both wrappers, around
-Adam, train a few windows next to a full-batch run. Needs nothing beyond the
-package's own dependencies.
-"""
+"""The demo behind ``python -m weighted_accum``: ``optax.MultiSteps`` and
+``WeightedMultiSteps`` against the full-batch gradient of a bigram language
+model (pure JAX) on synthetic sequences of 1 to 48 tokens, split into K
+microbatches of equal row counts (so of very unequal token counts); then both,
+around Adam, train a few windows next to a full-batch run."""
 
 from __future__ import annotations
 
@@ -39,11 +30,8 @@ NEXT_STEPS = (
 
 
 def make_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
-  """Token ids ``[ROWS, MAX_LEN]`` and a mask of the predicted positions.
-
-  Each sequence follows ``t' = (5 t + 3) mod VOCAB`` with 15% noise; lengths
-  are geometric (many short rows, a few long ones), as after packing.
-  """
+  """Token ids ``[ROWS, MAX_LEN]`` (``t' = (5 t + 3) mod VOCAB``, 15% noise,
+  geometric lengths) and the mask of the predicted positions."""
   rng = np.random.default_rng(seed)
   lengths = np.minimum(MAX_LEN, rng.geometric(1.0 / 10, ROWS))
   tokens = np.zeros((ROWS, MAX_LEN), np.int32)
@@ -53,10 +41,8 @@ def make_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
       tokens[r, i] = t
       t = (5 * t + 3) % VOCAB if rng.random() > 0.15 else rng.integers(VOCAB)
   # Position i predicts token i + 1: a sequence of n tokens has n - 1 targets.
-  mask = (np.arange(MAX_LEN - 1)[None, :] < (lengths[:, None] - 1)).astype(
-    np.float32
-  )
-  return tokens, mask
+  targets = np.arange(MAX_LEN - 1)[None, :] < (lengths[:, None] - 1)
+  return tokens, targets.astype(np.float32)
 
 
 def init_params(seed: int) -> dict[str, jax.Array]:
@@ -93,12 +79,8 @@ def rel_err(tree: Any, ref: Any) -> float:
 
 
 def split(tokens, mask, k: int):
-  """The batch's K microbatches: equal row counts, unequal token counts.
-
-  Microbatch ``i`` is rows ``[i ROWS / K, (i + 1) ROWS / K)``, given as the
-  whole batch with the other rows masked out: one shape for every K, so one
-  compilation (its mean loss and gradient are the microbatch's own).
-  """
+  """The K microbatches, each the whole batch with the other rows masked
+  out (one shape, so one compilation, for every K)."""
   rows = ROWS // k
   parts = []
   for i in range(0, ROWS, rows):
@@ -109,11 +91,7 @@ def split(tokens, mask, k: int):
 
 
 def wrappers(inner: optax.GradientTransformation, k: int | None):
-  """``optax.MultiSteps`` and ``WeightedMultiSteps``, each around ``inner``.
-
-  ``k=None``: windows close at ``finish=True`` only (``WeightedMultiSteps``;
-  one compilation serves every K).
-  """
+  """``optax.MultiSteps`` and ``WeightedMultiSteps``, each around ``inner``."""
   return {
     "optax.MultiSteps": optax.MultiSteps(inner, every_k_schedule=k),
     "WeightedMultiSteps": wa.WeightedMultiSteps(
@@ -122,18 +100,18 @@ def wrappers(inner: optax.GradientTransformation, k: int | None):
   }
 
 
+# Closed by finish=True only: one compilation serves every K.
+_WEIGHTED_IDENTITY = wrappers(optax.identity(), None)["WeightedMultiSteps"]
+
+
 @functools.cache
 def identity_wrappers(k: int) -> dict[str, Any]:
   """The two wrappers around ``optax.identity()``: they emit the gradient."""
+  multi_steps = wrappers(optax.identity(), k)["optax.MultiSteps"]
   return {
-    "optax.MultiSteps": wrappers(optax.identity(), k)["optax.MultiSteps"],
-    "WeightedMultiSteps": _weighted_identity(),
+    "optax.MultiSteps": multi_steps,
+    "WeightedMultiSteps": _WEIGHTED_IDENTITY,
   }
-
-
-@functools.cache
-def _weighted_identity():
-  return wrappers(optax.identity(), None)["WeightedMultiSteps"]
 
 
 @functools.cache
@@ -147,18 +125,14 @@ def _jitted_update(tx):
 
 
 def window(tx, opt_state, params, parts):
-  """Feeds one window's microbatches to ``tx``; returns its last updates.
-
-  Both wrappers get the same gradients; only ``WeightedMultiSteps`` is told
-  each microbatch's token count (``weight=``) and that the window ends with
-  the last one (``finish=``; it closes there with or without a schedule).
-  """
+  """Feeds one window's microbatches to ``tx`` (``WeightedMultiSteps`` also
+  gets each one's token count and ``finish`` at the last); returns its last
+  updates."""
   update = _jitted_update(tx)
   for i, (t, m) in enumerate(parts):
     _, g, n = mean_loss_and_grad(params, t, m)
-    updates, opt_state = update(
-      g, opt_state, params, n, jnp.asarray(i == len(parts) - 1)
-    )
+    last = jnp.asarray(i == len(parts) - 1)
+    updates, opt_state = update(g, opt_state, params, n, last)
   return updates, opt_state
 
 
@@ -207,34 +181,21 @@ def gradient_table(params, tokens, mask) -> dict[int, dict[str, float]]:
 
 def train(params0, batches) -> dict[str, list[float]]:
   """Adam on the full batch and through each wrapper; per-window losses."""
-  tx_full = optax.adam(3e-2)
-  full_step = jax.jit(
-    lambda p, o, g: (lambda u, o: (optax.apply_updates(p, u), o))(
-      *tx_full.update(g, o, p)
-    )
-  )
-  txs = wrappers(optax.adam(3e-2), TRAIN_K)
-  params = {"full batch": params0} | {k: params0 for k in txs}
-  opt = {"full batch": tx_full.init(params0)}
-  opt |= {k: tx.init(params0) for k, tx in txs.items()}
+  txs = {"full batch": optax.adam(3e-2)} | wrappers(optax.adam(3e-2), TRAIN_K)
+  params = {k: params0 for k in txs}
+  opt = {k: tx.init(params0) for k, tx in txs.items()}
   losses: dict[str, list[float]] = {k: [] for k in params}
   gap: list[float] = []
   for tokens, mask in batches:
-    for k in params:
-      losses[k].append(float(mean_loss_and_grad(params[k], tokens, mask)[0]))
     p = params["optax.MultiSteps"]
-    gap.append(
-      rel_err(
-        accumulated_gradient("optax.MultiSteps", p, tokens, mask, TRAIN_K),
-        mean_loss_and_grad(p, tokens, mask)[1],
-      )
-    )
-    g = mean_loss_and_grad(params["full batch"], tokens, mask)[1]
-    params["full batch"], opt["full batch"] = full_step(
-      params["full batch"], opt["full batch"], g
-    )
+    got = accumulated_gradient("optax.MultiSteps", p, tokens, mask, TRAIN_K)
+    gap.append(rel_err(got, mean_loss_and_grad(p, tokens, mask)[1]))
     for k, tx in txs.items():
-      u, opt[k] = window(tx, opt[k], params[k], split(tokens, mask, TRAIN_K))
+      losses[k].append(float(mean_loss_and_grad(params[k], tokens, mask)[0]))
+      parts = (
+        [(tokens, mask)] if k == "full batch" else split(tokens, mask, TRAIN_K)
+      )
+      u, opt[k] = window(tx, opt[k], params[k], parts)
       params[k] = optax.apply_updates(params[k], u)
   _print_training(losses, gap)
   return losses
