@@ -1,9 +1,5 @@
-"""The library's one exception, ``WeightedAccumulationError``.
-
-Every input check that raises it lives in :mod:`weighted_accum._src.validation`
-(or, for tree structure, :mod:`weighted_accum._src.core.tree_utils`); the error
-model is in ``docs/inputs.md``.
-"""
+"""The library's one exception (the lowest layer; the checks that raise it
+are in ``validation``, the error model in ``docs/inputs.md``)."""
 
 from __future__ import annotations
 
