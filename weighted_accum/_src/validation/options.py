@@ -86,12 +86,8 @@ def argnums(x: Any, *, what: str, name: str) -> tuple[int, ...]:
 
 def static_flag(x: Any, *, what: str) -> bool:
   """A Python-level bool option (``checked=``): never traced."""
-  if isinstance(x, (bool, np.bool_)) or (
-    isinstance(x, jax.Array)
-    and not is_traced(x)
-    and x.shape == ()
-    and x.dtype == jnp.bool_
-  ):
+  concrete = isinstance(x, jax.Array) and not is_traced(x) and x.shape == ()
+  if isinstance(x, (bool, np.bool_)) or (concrete and x.dtype == jnp.bool_):
     return bool(x)
   raise WeightedAccumulationError(
     f"{what}: expected True or False (static), got {x!r} ({type(x).__name__})."

@@ -72,14 +72,8 @@ def saved_counters(
   *,
   what: str,
 ) -> dict[str, Any]:
-  """Checks saved counters (``state.counters``) and returns the values to
-  store.
-
-  ``table`` is ``base.COUNTERS`` (name, metadata with ``kind`` and
-  ``initial``), ``dtype_of(name)`` each counter's stored dtype;
-  ``total_weight`` may stand in for ``weight_hi``/``weight_lo``; a missing
-  counter takes its initial value.
-  """
+  """The counters to store (``base.COUNTERS``' kinds; ``total_weight``
+  may stand for the weight pair; a missing counter takes its initial)."""
   known = {name for name, _ in table} | {"total_weight"}
   got = dict(counters) if isinstance(counters, Mapping) else {None: None}
   unknown = sorted(map(str, set(got) - known))

@@ -131,12 +131,8 @@ class Weight(NamedTuple):
 
 
 def weight(x: Any, *, what: str, tally: Any = np.float32) -> Weight:
-  """Converts a weight to the tally dtype, refusing what cannot be stored.
-
-  Concrete: raises for anything but a finite, non-negative real scalar the
-  tally holds (no overflow, no flush to zero, integers exact below 2**48);
-  returns host NumPy scalars. Traced: the same rules decide ``ok``.
-  """
+  """A weight in the tally dtype: concrete, refused unless stored exactly
+  (``docs/inputs.md``); traced, its validity in ``ok``."""
   tally = np.dtype(tally)
   if isinstance(x, Weight):
     return x
@@ -196,12 +192,8 @@ def _traced_weight(x: jax.Array, what: str, tally: np.dtype) -> Weight:
 def loss_scale(
   x: Any, *, what: str, dtype: Any = np.float32, noun: str = SCALE_NOUN
 ) -> Any:
-  """A loss scale (or a :class:`ScaleSource`'s) in its stored dtype.
-
-  Concrete: raises unless the stored value is finite, positive and normal.
-  Traced: an invalid value comes back as NaN, which marks the window
-  unusable (``docs/inputs.md``).
-  """
+  """A loss scale (or a :class:`ScaleSource`'s) in its stored dtype: a
+  concrete invalid one refused, a traced one NaN (the window unusable)."""
   dtype = np.dtype(dtype)
   if isinstance(x, ScaleSource):
     x = x.scale
