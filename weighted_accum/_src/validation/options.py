@@ -343,7 +343,10 @@ def grads_dtype(x: Any, *, what: str) -> np.dtype | str | None:
   """``None`` (the work dtype), ``"params"`` or a floating dtype."""
   if x is None or (isinstance(x, str) and x == "params"):
     return x
-  return values.work_dtype(x, what=f"{what} (or 'params', or None)")
+  try:
+    return values.work_dtype(x, what=what)
+  except WeightedAccumulationError as e:
+    raise WeightedAccumulationError(f"{e} Or grads_dtype='params'.") from None
 
 
 def random_key(x: Any, *, what: str) -> Any:
@@ -395,9 +398,9 @@ def unsplit_batch(
       shape = np.shape(x) if hasattr(x, "shape") else ()
       if shape and shape[0] == batch_size:
         return WeightedAccumulationError(
-          f"{what}: loss_fn failed on a microbatch, and {name} (shape "
-          f"{tuple(shape)}) has the batch's {batch_size} rows but is passed "
-          f"unchanged. If it is part of the batch, pass {fix} (positions "
-          "or keyword names); loss_fn's own error is chained below."
+          f"{what}: loss_fn failed on a microbatch, and {name} is passed "
+          f"unchanged but has the batch's {batch_size} rows (shape "
+          f"{tuple(shape)}). If it is part of the batch, pass {fix}; "
+          "loss_fn's own error is chained below."
         )
   return None
