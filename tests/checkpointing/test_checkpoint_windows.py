@@ -283,7 +283,7 @@ def _corrupt(state, name, replica, value):
   "name,value,needle",
   [
     ("issued", -1, "'issued'"),
-    ("zero_weight", 5, "exceed 'issued'"),
+    ("zero_weight", 5, "<= 'issued'"),
     ("weight_hi", -2.0, "'total_weight'"),
     ("weight_lo", np.nan, "'total_weight'"),
   ],
