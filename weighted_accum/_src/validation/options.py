@@ -60,8 +60,8 @@ def num_real(x: Any, k: int, *, what: str) -> jax.Array | None:
   bad = v.ndim or not jnp.issubdtype(v.dtype, jnp.integer)
   if bad or not (is_traced(x) or 0 <= v <= k):
     raise WeightedAccumulationError(
-      f"{what}: num_real_microbatches must be an integer scalar in [0, {k}], "
-      f"got {x!r}."
+      f"{what}: num_real_microbatches={x!r} must be an integer scalar in "
+      f"[0, {k}]."
     )
   return jnp.clip(jnp.asarray(x, jnp.int32), 0, k)
 
@@ -273,8 +273,8 @@ def one_device_set(named_trees: Sequence[tuple[str, Any]], *, what: str):
         raise WeightedAccumulationError(
           f"{what}: leaf {here[0]} is committed to devices {ids(here)} but "
           f"leaf {first[0]} to {ids(first)}; one jitted computation cannot take "
-          "both. Put the params on one mesh (jax.device_put) and make the "
-          "window and the optimizer state from them."
+          "both. Put the params on one device or mesh (jax.device_put), then "
+          "make the window and the optimizer state from them."
         )
 
 
