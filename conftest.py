@@ -22,4 +22,8 @@ settings.register_profile("ci", max_examples=25, deadline=None, print_blob=True)
 settings.register_profile(
   "floors", max_examples=10, deadline=None, print_blob=True
 )
+# By hand: many examples, every structure of the differential test drawn.
+settings.register_profile(
+  "long", max_examples=200, deadline=None, print_blob=True
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
