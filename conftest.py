@@ -74,6 +74,6 @@ else:
 
   @pytest.hookimpl(optionalhook=True)
   def pytest_xdist_make_scheduler(config, log):
-    if config.getoption("dist") != "load":  # an explicit --dist wins
+    if config.getoption("dist") != "load":  # another --dist mode wins
       return None
     return _ByModule(config, log)
