@@ -20,7 +20,7 @@ from hypothesis import settings  # noqa: E402  pylint: disable=g-import-not-at-t
 settings.register_profile("ci", max_examples=25, deadline=None, print_blob=True)
 # The CI's lower-bound stage (.ci/run): the same properties, fewer examples.
 settings.register_profile(
-  "floors", max_examples=3, deadline=None, print_blob=True
+  "floors", max_examples=10, deadline=None, print_blob=True
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
