@@ -52,14 +52,10 @@ def test_train_state_weight_with_an_unweighted_tx_is_refused(tx):
     ts.apply_gradients(grads=G, weight=3)
 
 
-@pytest.mark.parametrize("form", ["WeightedMultiSteps", "weighted_multi_steps"])
-def test_train_state_weight_with_the_wrapper_is_exact(form):
+def test_train_state_weight_with_the_wrapper_is_exact():
   """Two windows of mean grads G (weight 3) and 5 G (weight 1): each
   window's mean is 2 G, applied by SGD(1)."""
-  if form == "WeightedMultiSteps":
-    tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean")
-  else:
-    tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean")
+  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="mean")
   ts = wa.TrainState.create(apply_fn=None, params=host_params(), tx=tx)
   step = jax.jit(lambda ts, g, w: ts.apply_gradients(grads=g, weight=w))
   for _ in range(2):

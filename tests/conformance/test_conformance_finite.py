@@ -9,7 +9,7 @@ optimizer state bit for bit unchanged, and finite).
 Every close path (``finish_mean``, ``finish_sums``, ``apply_window``, the
 optax wrapper, ``microbatched_value_and_grad``, ``distributed.finish_mean``
 in both modes, ``reduce_sums``, the wrapper with ``axis_name``) x params on
-one device, sharded over 2 and 8 devices, and on a 2-D ``data x model``
+one device, sharded over 8 devices, and on a 2-D ``data x model``
 mesh x float16/bfloat16/float32 work dtypes x a NaN or Inf on the first or
 the last device. One jitted function per entry point (its compilations are
 keyed on placement and dtype); the bad values are data.

@@ -6,7 +6,7 @@ device is seen on every shard), equals the float64 weighted mean, and
 leaves the window open; ``discard`` returns the empty window on the params'
 shardings and takes its new loss scale through the one validation module
 (a hostile scale is refused, eagerly and under ``jit`` alike). Eager and
-jitted, params on one device, on 2 and 8 devices and on a 2-D mesh, each
+jitted, params on one device, on 8 devices and on a 2-D mesh, each
 work dtype.
 """
 

@@ -121,9 +121,6 @@ def _skip_fn(updates, gradient_step, params):
 
 
 WRAPPERS = {
-  "weighted_multi_steps": lambda: wa.WeightedMultiSteps(
-    optax.sgd(1.0), 2, mode="sum"
-  ),
   "WeightedMultiSteps": lambda: wa.WeightedMultiSteps(
     optax.sgd(1.0), 2, mode="sum"
   ),
@@ -134,8 +131,8 @@ WRAPPERS = {
 
 
 # An eager update costs about 0.4 s of CPU: the full list goes through the
-# ``should_skip_update_fn`` path (its own weight handling); the other
-# spellings (and TrainState, which forwards to them) get the values that
+# ``should_skip_update_fn`` path (its own weight handling); the plain
+# wrapper (and TrainState, which forwards to it) gets the values that
 # reach the conversion differently (``tests/validation/test_hostile.py`` has the rest).
 SHORT = [
   w
@@ -151,9 +148,7 @@ SHORT = [
   )
 ]
 WRAPPER_CASES = [("should_skip_update_fn", w) for w in WEIGHTS] + [
-  (name, w)
-  for name in ("weighted_multi_steps", "WeightedMultiSteps")
-  for w in SHORT
+  ("WeightedMultiSteps", w) for w in SHORT
 ]
 
 

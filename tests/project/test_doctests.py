@@ -1,5 +1,8 @@
-"""Every doctest of the package passes on one device, not only on the 8
-virtual devices the root conftest forces (the suite runs them there)."""
+"""Every doctest of the package passes, on one device: where a user pastes
+them. The suite runs them here only (pyproject.toml's pytest options do not
+collect the package): the root conftest's 8 virtual devices cannot be
+undone in-process, and the 8-device behaviour of the parallel examples is
+the tests' (tests/parallel)."""
 
 import os
 import pathlib
