@@ -20,6 +20,7 @@ Figures and the trade-off: ``docs/scaling.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -61,7 +62,8 @@ Axes = tuple[str, ...]
 
 
 def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+  """An array, or a Python float (traced, as ``jax.jit`` takes it)."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, float))
 
 
 class _Split(NamedTuple):
@@ -170,37 +172,32 @@ def aux_per_replica(aux: Any, axes: Axes) -> Any:
   return jax.tree.map(lambda a: a[:, None], tree_utils.to_varying(aux, axes))
 
 
-_EAGER_ENTRIES = 16  # compiled eager calls kept per function
+_EAGER_ENTRIES = 16  # compiled eager programs kept per function
 
 
-def _eager_key(sp: _Split, dyn: list, pl: _Plan) -> Any:
-  """What an eager call's compiled program depends on beyond its array
-  values: the call's structure, its other leaves (static), each array's
-  shape, dtype and sharding, and the layout. ``None`` when a static leaf
-  is not hashable (that call is not cached)."""
-  dynamic = set(sp.dynamic)
-  static = tuple(
-    (type(x), x) for i, x in enumerate(sp.leaves) if i not in dynamic
-  )
-  avals = tuple(
-    (
-      np.shape(x),
-      str(getattr(x, "dtype", type(x))),
-      getattr(x, "sharding", None),
-    )
-    for x in dyn
-  )
-  key = (sp.treedef, static, avals, tuple(sp.specs), pl.mesh, pl.is_explicit)
-  key += (pl.lay, pl.inner.roles, pl.inner.data_axes, pl.inner.axis_name)
-  try:
-    hash(key)
-  except TypeError:
-    return None
-  return key
+def run_eagerly(cache: dict | None, run: Callable[..., Any], *args: Any):
+  """``run(*args)``; eagerly, this call's trace run by the program compiled
+  for an equal trace (same jaxpr and input types), its constants passed in."""
+  flat, tree = jax.tree.flatten(args)
+  if cache is None or any(map(tree_utils.is_traced, flat)):
+    return run(*args)
+  closed, shape = jax.make_jaxpr(
+    lambda *xs: run(*jax.tree.unflatten(tree, xs)), return_shape=True
+  )(*flat)
+  ins = list(closed.consts) + flat
+  key = (str(closed.jaxpr), *((jax.typeof(x), _sharding(x)) for x in ins))
+  prog = cache.pop(key, None)
+  if prog is None:
+    if len(cache) >= _EAGER_ENTRIES:
+      cache.pop(next(iter(cache)))
+    prog = jax.jit(functools.partial(jax.core.eval_jaxpr, closed.jaxpr))
+  cache[key] = prog  # the most recently used last
+  out = prog(list(closed.consts), *flat)
+  return jax.tree.unflatten(jax.tree.structure(shape), out)
 
 
-def _concrete(tree: Any) -> bool:
-  return not any(tree_utils.is_traced(x) for x in jax.tree.leaves(tree))
+def _sharding(x: Any) -> Any:
+  return getattr(x, "sharding", None)
 
 
 def value_and_grad(
@@ -245,25 +242,7 @@ def value_and_grad(
     return _placed(res, pl)
 
   dyn = [sp.leaves[i] for i in sp.dynamic]
-  return _run_cached(cache, run, sp, pl, dyn, n_real, ls)
-
-
-def _run_cached(cache, run, sp, pl, dyn, *rest):
-  """``run(dyn, *rest)``: eagerly, through the ``jax.jit`` program kept in
-  ``cache`` for this call's key (compiled on first use); under a trace,
-  or without a key, as it is. ``rest``'s arrays (a window, the scale) key
-  the program by their structure, shapes, dtypes and shardings."""
-  key = None
-  if cache is not None and _concrete((dyn, rest)):
-    key = _eager_key(sp, dyn + jax.tree.leaves(rest), pl)
-  if key is None:
-    return run(dyn, *rest)
-  key += (jax.tree.structure(rest),)
-  if key not in cache:
-    if len(cache) >= _EAGER_ENTRIES:
-      cache.pop(next(iter(cache)))
-    cache[key] = jax.jit(run)
-  return cache[key](dyn, *rest)
+  return run_eagerly(cache, run, dyn, n_real, ls)
 
 
 def _check_window(state: Any, lay: Layout, what: str) -> None:
@@ -340,4 +319,4 @@ def accumulate(
     )(state, dyn, n_real)
 
   dyn = [sp.leaves[i] for i in sp.dynamic]
-  return _run_cached(cache, run, sp, pl, dyn, state, n_real)
+  return run_eagerly(cache, run, dyn, state, n_real)
