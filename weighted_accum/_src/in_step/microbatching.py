@@ -160,6 +160,18 @@ def _tally(cfg, g, old, new, ev, sums) -> dict:
   return sums
 
 
+def _check_rows(cfg, loss) -> None:
+  """Refuses a loss varying over ``shard_map`` axes not in ``axis_name``."""
+  extra = set(tree_utils.varying_axes(loss)) - set(cfg.axis_name or ())
+  extra = tuple(sorted(extra))
+  if extra:
+    raise WeightedAccumulationError(
+      f"{_WHAT}(axis_name={cfg.axis_name}): the loss varies over {extra} "
+      "(a shard_map's rows): pass axis_name over them (one reduction), or "
+      "call f outside shard_map on the global batch."
+    )
+
+
 def _body(cfg, call, groups, norms, scale):
   axes = cfg.axis_name or ()
 
@@ -169,6 +181,7 @@ def _body(cfg, call, groups, norms, scale):
     for g, st in zip(groups, carry.states):
       fn = _objective(cfg, call, g, norms, i, carry.threaded, scale)
       out, pull, got = jax.vjp(fn, values, has_aux=True)
+      _check_rows(cfg, out)
       ev = ev or got  # one evaluation: the others' forward is the same
       one = jnp.ones((), out.dtype)
       ct = tree_utils.vary_like(one, out, axes) if axes else one

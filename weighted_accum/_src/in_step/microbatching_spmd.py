@@ -41,21 +41,12 @@ from weighted_accum._src.in_step.spmd_plan import _params as _params
 from weighted_accum._src.in_step.spmd_plan import _Plan as _Plan
 from weighted_accum._src.in_step.spmd_plan import options as options
 from weighted_accum._src.in_step.spmd_plan import plan_call as plan_call
-from weighted_accum._src.in_step.spmd_plan import (
-  typed_data_axes as typed_data_axes,
-)
 from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout as layout_
 
 _WHAT = "microbatched_value_and_grad"
 FSDP_MODES = layout_.FSDP_MODES
 Axes = tuple[str, ...]
-
-
-# --------------------------------------------------------- options --
-
-
-# ----------------------------------------- data axes read from the types --
 
 
 # ----------------------------------------------------------- one call --

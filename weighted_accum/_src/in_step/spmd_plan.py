@@ -144,50 +144,6 @@ def options(kw: dict) -> dict:
   )
 
 
-def typed_data_axes(
-  cfg: Any, args: tuple, kwargs: dict
-) -> tuple[Axes, int] | None:
-  """The data axes a call's batch is typed with on an ``Explicit`` mesh,
-  where ``data_axes`` reproduces the result without them exactly (no aux,
-  threaded state or keys; the strided split; K given; the params not
-  sharded over those axes), so the call reduces once instead of once per
-  microbatch; with the number of replicas over them. ``None``: the call
-  runs as written."""
-  roles = cfg.roles
-  if (
-    cfg.data_axes is not None
-    or cfg.axis_name is not None
-    or cfg.has_aux
-    or roles.state_argnums
-    or roles.key_argnums
-    or roles.split != "strided"
-    or roles.num_microbatches is None
-  ):
-    return None
-  try:
-    batch = margs.batch_leaves(_WHAT, roles, args, kwargs)
-  except WeightedAccumulationError:
-    return None  # the call as written reports it
-  typed = (
-    {layout_.typed_axes(x, a) for _, x, a, _ in batch} if batch else {None}
-  )
-  if len(typed) != 1 or None in typed:
-    return None
-  mesh, axes = typed.pop()
-  n, k = layout_.size(mesh, axes), roles.num_microbatches
-  if batch[0][3] % (n * k) or set(axes) & set(tree_utils.manual_axes()):
-    return None
-  params = [x for n_ in roles.argnums for x in jax.tree.leaves(args[n_])]
-  for x in params:
-    if not margs.differentiable(x):
-      continue
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    on = {a for e in (spec or ()) for a in layout_.names(e)}
-    if on & set(axes):
-      return None
-  return (axes, n) if any(map(margs.differentiable, params)) else None
-
-
 def _params(cfg: Any, args: tuple) -> Any:
   """The differentiated leaves in the params' structure (``None`` where a
   leaf is held fixed), shaped like the gradients."""

@@ -289,19 +289,6 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
       ls = call_scale(cfg, loss_scale)
       call = (args, kw, n_real, ls, normalizers)
       return spmd.value_and_grad(cfg, _step, call, eager)
-    typed = None
-    if cfg.data_axes is None:  # an Explicit batch names its data axes
-      typed = spmd.typed_data_axes(cfg, args, kw)
-    if typed is not None:
-      axes, n = typed  # reduce once, not K times
-      call = (args, kw, n_real, call_scale(cfg, loss_scale), normalizers)
-      try:
-        typed_cfg = cfg._replace(data_axes=axes)
-        loss, out = spmd.value_and_grad(typed_cfg, _step, call, eager)
-      except Exception:  # pylint: disable=broad-except
-        pass  # e.g. a loss_fn that names a data axis: run it as written
-      else:  # issued counted as without data axes: K, not N x K
-        return loss, out.replace(issued=out.issued // n)
     return _step(inside, args, kw, n_real, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
