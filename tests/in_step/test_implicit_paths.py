@@ -186,3 +186,39 @@ def test_no_axis_name_inside_shard_map_names_the_mismatch():
   )
   with pytest.raises(Error, match=r"varies over \('data',\).*axis_name"):
     jax.jit(g)(_put(AUTO, w, P()), _put(AUTO, b, P("data")))
+
+
+def _noisy_loss(w, key, b):
+  noise = jax.random.normal(key, b["y"].shape)
+  loss, weight = _scaled_loss(w, b, 1.0)
+  return (loss, weight), noise
+
+
+def test_each_replica_and_microbatch_draws_its_own_key_in_both_styles():
+  """Plain jit with axis_name and jax.shard_map draw the same K x N
+  distinct masks (one rule: the key folded with the replica's index, then
+  the microbatch's)."""
+  f = wa.microbatched_value_and_grad(
+    _noisy_loss,
+    K,
+    mode="sum",
+    has_aux=True,
+    batch_argnums=2,
+    key_argnums=1,
+    axis_name="data",
+  )
+  w, b = _data(4)
+  wp, bp, key = _put(AUTO, w, P()), _put(AUTO, b, P("data")), jax.random.key(0)
+  (_, plain), out = jax.jit(f)(wp, key, bp)
+  plain = np.asarray(plain)  # [K, N, rows of a replica's microbatch]
+  assert len({tuple(r) for r in plain.reshape(K * N, -1).round(6)}) == K * N
+  mapped = jax.jit(
+    jax.shard_map(
+      lambda w, key, b: f(w, key, b)[0][1],
+      mesh=AUTO,
+      in_specs=(P(), P(), P("data")),
+      out_specs=P(None, "data"),
+    )
+  )(wp, key, bp)
+  np.testing.assert_array_equal(np.asarray(mapped), plain.reshape(K, -1))
+  np.testing.assert_allclose(out.grads, _ref(w, b, 1.0), rtol=1e-5)

@@ -319,8 +319,21 @@ def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
     )
   n_real = validation.num_real(n_real, call.k, what=_WHAT)
   axes = cfg.axis_name or ()
+  if axes and cfg.roles.key_argnums:  # each replica its own keys
+    call = call._replace(args=_replica_keys(cfg.roles, call.args, axes))
   threaded = tree_utils.to_varying(margs.states(call, cfg.roles), axes)
   return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
+
+
+def _replica_keys(roles: margs.Roles, args: tuple, axes: tuple) -> tuple:
+  """Each random key folded with this replica's index (then, per
+  microbatch, with the microbatch's)."""
+  r = jax.lax.axis_index(axes)
+  fold = lambda key: jax.random.fold_in(key, r)
+  return tuple(
+    jax.tree.map(fold, a) if n in roles.key_argnums else a
+    for n, a in enumerate(args)
+  )
 
 
 def _with_state(cfg: _Config, call, result: Any, threaded: tuple) -> Any:

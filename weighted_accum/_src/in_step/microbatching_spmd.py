@@ -105,17 +105,6 @@ def _joined(sp: _Split, values: list) -> Any:
   return jax.tree.unflatten(sp.treedef, leaves)
 
 
-def _replica_keys(cfg: Any, args: list, axes: Axes) -> list:
-  """Each random key folded with this replica's index: replicas draw
-  different masks for their different rows."""
-  if not cfg.roles.key_argnums:
-    return args
-  r = lax.axis_index(axes)
-  for n in cfg.roles.key_argnums:
-    args[n] = jax.tree.map(lambda key: jax.random.fold_in(key, r), args[n])
-  return args
-
-
 def grads_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
   """The gradients' ``shard_map`` out specs, a tree like the gradients."""
   treedef = jax.tree.structure(_params(cfg, args))
@@ -215,8 +204,7 @@ def value_and_grad(
 
   def body(values, n_real, ls):
     a, kw, norms = _joined(sp, values)
-    a = _replica_keys(cfg, list(a), axes)
-    res = step(pl.inner, tuple(a), kw, n_real, ls, norms)
+    res = step(pl.inner, a, kw, n_real, ls, norms)
     if cfg.has_aux:
       (loss, aux), out = res
       return (loss, aux_per_replica(aux, axes)), out
@@ -288,8 +276,7 @@ def accumulate(
 
   def body(block, values, n_real):
     a, kw = _joined(sp, values)
-    a = _replica_keys(cfg, list(a), lay.axes)
-    value, st = step(pl.inner, block, tuple(a), kw, n_real)
+    value, st = step(pl.inner, block, a, kw, n_real)
     if cfg.has_aux:
       value, aux = value
     value = tuple(tree_utils.to_varying(v, lay.axes)[None] for v in value)

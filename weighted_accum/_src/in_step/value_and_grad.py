@@ -115,8 +115,8 @@ def microbatched_value_and_grad(
       state, flax ``mutable`` collections): each microbatch gets the state
       the previous one returned; ``f`` returns the last.
     key_argnums: positional argument(s) holding one PRNG key each (or a
-      pytree of keys): microbatch i gets ``jax.random.fold_in(key, i)``, so
-      dropout differs across microbatches.
+      pytree of keys): microbatch i gets ``jax.random.fold_in(key, i)``;
+      with ``axis_name``, replica r's gets ``fold_in(fold_in(key, r), i)``.
     dtype: the accumulation work dtype.
     grads_dtype: the dtype of the returned gradients: ``None`` (the work
       dtype), ``"params"`` (each param's own dtype), or a floating dtype.
@@ -133,8 +133,7 @@ def microbatched_value_and_grad(
       global batch sharded over them (the loop then runs in a
       partial-manual ``shard_map`` over just these axes; each batch leaf's
       rows divisible by ``N * K``; ``split="contiguous"`` and
-      ``state_argnums`` refused there; keys also folded with the replica's
-      index). Either way a call reduces the sums, the weights and the
+      ``state_argnums`` refused there). Either way a call reduces the sums, the weights and the
       counters ONCE whatever K (``docs/scaling.md``).
 
   Returns:
