@@ -6,6 +6,7 @@ NumPy on the full batch, or the same call on one device."""
 
 from __future__ import annotations
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -222,3 +223,61 @@ def test_each_replica_and_microbatch_draws_its_own_key_in_both_styles():
   )(wp, key, bp)
   np.testing.assert_array_equal(np.asarray(mapped), plain.reshape(K, -1))
   np.testing.assert_allclose(out.grads, _ref(w, b, 1.0), rtol=1e-5)
+
+
+class _DropNet(nnx.Module):
+  def __init__(self):
+    rngs = nnx.Rngs(0, dropout=1)
+    self.lin = nnx.Linear(D, 1, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.drop(self.lin(x))[:, 0]
+
+
+def _drop_loss(model, b):
+  out = model(b["x"])
+  return (jnp.sum(out**2), jnp.float32(b["x"].shape[0])), out
+
+
+def _rng(model):
+  return nnx.state(model, nnx.RngState)
+
+
+def test_a_module_with_a_dropout_stream_draws_per_replica_in_both_styles():
+  """A whole NNX module with a dropout stream, with axis_name: under plain
+  jit and inside jax.shard_map the same K x N distinct masks, and the
+  stream's count advanced by K and written back (its key unchanged)."""
+  f = wa.microbatched_value_and_grad(
+    _drop_loss, K, mode="sum", has_aux=True, axis_name="data"
+  )
+  b = _put(AUTO, {"x": jnp.ones((N * K * 32, D))}, P("data"))
+  plain_model, mapped_model = _DropNet(), _DropNet()
+  key0 = jax.random.key_data(_rng(plain_model)["drop"]["rngs"]["key"][...])
+
+  @nnx.jit
+  def plain(model, b):
+    (_, out), _ = f(model, b)
+    return out
+
+  gd, st = nnx.split(mapped_model)
+
+  def body(st, b):
+    model = nnx.merge(gd, st)
+    (_, out), _ = f(model, b)
+    return out, nnx.state(model)
+
+  one = plain(plain_model, b)  # [K, N, rows of a replica's microbatch]
+  many, st = jax.jit(
+    jax.shard_map(
+      body, mesh=AUTO, in_specs=(P(), P("data")), out_specs=(P(None, "data"), P())
+    )
+  )(st, b)
+  nnx.update(mapped_model, st)
+  masks = np.asarray(one).reshape(K * N, -1) != 0
+  assert len({tuple(r) for r in masks}) == K * N
+  np.testing.assert_array_equal(np.asarray(many), np.asarray(one).reshape(K, -1))
+  for model in (plain_model, mapped_model):
+    rng = _rng(model)["drop"]["rngs"]
+    assert int(rng["count"][...]) == K
+    np.testing.assert_array_equal(jax.random.key_data(rng["key"][...]), key0)

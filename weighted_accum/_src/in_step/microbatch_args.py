@@ -214,9 +214,8 @@ def _refuse_nnx_state(what: str, n: int, x: Any) -> None:
   ``nnx.Param``: their updates (an RNG stream's count, batch statistics)
   could not be returned, and silently dropping them repeats one dropout
   mask for ever."""
-  is_var = lambda v: isinstance(v, nnx.Variable)
-  for path, v in jax.tree_util.tree_flatten_with_path(x, is_leaf=is_var)[0]:
-    if is_var(v) and not isinstance(v, nnx.Param):
+  for path, v in jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_var)[0]:
+    if _is_var(v) and not isinstance(v, nnx.Param):
       raise WeightedAccumulationError(
         f"{what}: argument {n} (argnums) holds {type(v).__name__} at "
         f"{jax.tree_util.keystr(path)}, which is not differentiated and "
@@ -410,24 +409,63 @@ def states(call: Call, roles: Roles) -> tuple[Any, ...]:
   return tuple(call.args[n] for n in roles.state_argnums) + rests
 
 
+def _nodes(roles: Roles, args: Any) -> list:
+  return [
+    (n, args[n])
+    for n in roles.argnums
+    if n < len(args) and nnx.graph.is_graph_node(args[n])
+  ]
+
+
+def rng_states(roles: Roles, args: Any) -> list:
+  """The RNG streams of the differentiated NNX objects in ``args``."""
+  return [nnx.state(x, nnx.RngState) for _, x in _nodes(roles, args)]
+
+
+def update_rngs(roles: Roles, args: Any, rngs: list) -> None:
+  """Writes :func:`rng_states` back into the objects in ``args``."""
+  for (_, x), rng in zip(_nodes(roles, args), rngs):
+    nnx.update(x, rng)
+
+
 def refuse_node_state(what: str, roles: Roles, args: tuple, why: str) -> None:
-  """Refuses differentiated NNX objects with non-Param state where it
-  cannot be threaded (``why`` says where and what to do instead)."""
-  for n in roles.argnums:
-    x = args[n] if n < len(args) else None
-    if nnx.graph.is_graph_node(x):
-      rest = nnx.state(x, nnx.Not(nnx.Param))
-      if jax.tree.leaves(rest):
-        raise WeightedAccumulationError(
-          f"{what}: argument {n} (argnums) is an NNX object with non-Param "
-          f"state ({', '.join(sorted({type(v).__name__ for v in _vars(rest)}))}"
-          f"); {why}"
-        )
+  """Refuses differentiated NNX objects with non-Param state other than
+  RNG streams (``why`` says where and what to do instead)."""
+  for n, x in _nodes(roles, args):
+    rest = nnx.state(x, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    if jax.tree.leaves(rest):
+      kinds = ", ".join(sorted({type(v).__name__ for v in _vars(rest)}))
+      raise WeightedAccumulationError(
+        f"{what}: argument {n} (argnums) is an NNX object with state "
+        f"({kinds}) each replica would update its own way; {why}"
+      )
+
+
+def _is_var(v: Any) -> bool:
+  return isinstance(v, nnx.Variable)
 
 
 def _vars(tree: Any) -> list:
-  is_var = lambda v: isinstance(v, nnx.Variable)
-  return [v for v in jax.tree.leaves(tree, is_leaf=is_var) if is_var(v)]
+  return [v for v in jax.tree.leaves(tree, is_leaf=_is_var) if _is_var(v)]
+
+
+def fold_rng_keys(tree: Any, r: Any) -> Any:
+  """The NNX RNG keys in ``tree`` folded with ``r`` (a replica's stream)."""
+  fold = lambda v: v.replace(jax.random.fold_in(v[...], r))
+  return jax.tree.map(
+    lambda v: fold(v) if isinstance(v, nnx.RngKey) else v, tree, is_leaf=_is_var
+  )
+
+
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+  """``tree`` varying over ``axes``, NNX RNG counts apart (they advance
+  alike on every replica, so they are written back as one)."""
+  keep = lambda v: isinstance(v, nnx.RngCount)
+  return jax.tree.map(
+    lambda v: v if keep(v) else tree_utils.to_varying(v, axes),
+    tree,
+    is_leaf=_is_var,
+  )
 
 
 def node_states(call: Call, roles: Roles, args: list) -> tuple[Any, ...]:
@@ -445,9 +483,10 @@ def write_back(call: Call, roles: Roles, threaded: tuple) -> tuple:
   objects (as ``nnx.value_and_grad`` does); returns the ``state_argnums``
   part of ``threaded``."""
   k = len(roles.state_argnums)
-  nodes = [d.node for d in call.diffs if d.node is not None]
-  for node, rest in zip(nodes, threaded[k:]):
-    nnx.update(node, rest)
+  diffs = [d for d in call.diffs if d.node is not None]
+  for d, rest in zip(diffs, threaded[k:]):  # the RNG keys as they came
+    key = lambda new, old: old if isinstance(old, nnx.RngKey) else new
+    nnx.update(d.node, jax.tree.map(key, rest, d.rest, is_leaf=_is_var))
   return threaded[:k]
 
 

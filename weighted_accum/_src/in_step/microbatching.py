@@ -190,7 +190,7 @@ def _body(cfg, call, groups, norms, scale):
       sums = _tally(cfg, g, st, new, ev, sums)
       states.append(new)
     aux = jax.tree.map(lambda b, a: b.at[i].set(a), carry.aux, ev.aux)
-    threaded = tree_utils.to_varying(ev.states, axes)
+    threaded = margs.vary(ev.states, axes)
     return _Carry(tuple(states), sums, aux, threaded)
 
   return body
@@ -319,16 +319,19 @@ def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
     )
   n_real = validation.num_real(n_real, call.k, what=_WHAT)
   axes = cfg.axis_name or ()
-  if axes and cfg.roles.key_argnums:  # each replica its own keys
-    call = call._replace(args=_replica_keys(cfg.roles, call.args, axes))
-  threaded = tree_utils.to_varying(margs.states(call, cfg.roles), axes)
+  threaded = margs.states(call, cfg.roles)
+  if axes:  # each replica its own keys and NNX RNG streams
+    r = jax.lax.axis_index(axes)
+    call = call._replace(args=_replica_keys(cfg.roles, call.args, r))
+    k = len(cfg.roles.state_argnums)  # a module's streams; restored after
+    threaded = threaded[:k] + margs.fold_rng_keys(threaded[k:], r)
+    threaded = margs.vary(threaded, axes)
   return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
 
 
-def _replica_keys(roles: margs.Roles, args: tuple, axes: tuple) -> tuple:
-  """Each random key folded with this replica's index (then, per
+def _replica_keys(roles: margs.Roles, args: tuple, r: Any) -> tuple:
+  """Each random key folded with this replica's index ``r`` (then, per
   microbatch, with the microbatch's)."""
-  r = jax.lax.axis_index(axes)
   fold = lambda key: jax.random.fold_in(key, r)
   return tuple(
     jax.tree.map(fold, a) if n in roles.key_argnums else a

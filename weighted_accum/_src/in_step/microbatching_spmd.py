@@ -35,6 +35,7 @@ from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.spmd_plan import Layout as Layout
 from weighted_accum._src.in_step.spmd_plan import _gathered as _gathered
 from weighted_accum._src.in_step.spmd_plan import _params as _params
@@ -207,21 +208,23 @@ def value_and_grad(
     res = step(pl.inner, a, kw, n_real, ls, norms)
     if cfg.has_aux:
       (loss, aux), out = res
-      return (loss, aux_per_replica(aux, axes)), out
-    return res
+      res = (loss, aux_per_replica(aux, axes)), out
+    return res, margs.rng_states(cfg.roles, a)
 
   def run(dyn, n_real, ls):
-    res = jax.shard_map(
+    res, rngs = jax.shard_map(
       body,
       mesh=pl.mesh,
       in_specs=(sp.specs, P(), P()),
-      out_specs=_out_specs(cfg, args, pl.lay),
+      out_specs=(_out_specs(cfg, args, pl.lay), P()),
       axis_names=set(axes),
     )(dyn, n_real, ls)
-    return _placed(res, pl)
+    return _placed(res, pl), rngs
 
   dyn = [sp.leaves[i] for i in sp.dynamic]
-  return run_eagerly(cache, run, dyn, n_real, ls)
+  res, rngs = run_eagerly(cache, run, dyn, n_real, ls)
+  margs.update_rngs(cfg.roles, args, rngs)
+  return res
 
 
 def _check_window(state: Any, lay: Layout, what: str) -> None:
@@ -282,7 +285,7 @@ def accumulate(
     value = tuple(tree_utils.to_varying(v, lay.axes)[None] for v in value)
     if cfg.has_aux:
       value = (value, aux_per_replica(aux, lay.axes))
-    return value, st
+    return (value, st), margs.rng_states(cfg.roles, a)
 
   specs = replicas.specs(state, lay.axes)
   value_specs = ((one, one), P(None, one[0])) if cfg.has_aux else (one, one)
@@ -292,9 +295,11 @@ def accumulate(
       body,
       mesh=pl.mesh,
       in_specs=(specs, sp.specs, P()),
-      out_specs=(value_specs, specs),
+      out_specs=((value_specs, specs), P()),
       axis_names=set(lay.axes),
     )(state, dyn, n_real)
 
   dyn = [sp.leaves[i] for i in sp.dynamic]
-  return run_eagerly(cache, run, dyn, state, n_real)
+  res, rngs = run_eagerly(cache, run, dyn, state, n_real)
+  margs.update_rngs(cfg.roles, args, rngs)
+  return res

@@ -224,10 +224,8 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
     f"{_WHAT}(axis_name={axes})",
     cfg.roles,
     args,
-    "each replica would thread its own copy through its rows (as with "
-    "state_argnums). Call f inside jax.shard_map with axis_name=... "
-    "instead, or pass nnx.state(model, nnx.Param) at argnums and keep the "
-    "rest out of the loss (e.g. random keys at key_argnums).",
+    "call f inside jax.shard_map with axis_name=... and combine the "
+    "replicas' state yourself.",
   )
   if set(axes) & set(tree_utils.manual_axes()):
     raise WeightedAccumulationError(
