@@ -133,3 +133,18 @@ def test_under_jit_nothing_is_cached(walks):
   state = step(wa.init(PARAMS), _grads(), 1.0)
   state = step(state, _grads(), 2.0)
   assert len(walks) == 1 and not eager_cache._VALIDATED  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("first,second", [((1, 3), (3,)), ((3,), (1, 3))])
+def test_cached_grads_into_another_window_are_checked_against_its_buffers(
+  walks, first, second
+):
+  """The cache is keyed by the buffers' signature too: grads validated
+  against one window are refused by a window of another shape, which keeps
+  its buffer as it was."""
+  g = {"w": jnp.ones(first)}
+  wa.accumulate_sum(wa.init({"w": jnp.zeros(first)}), g, 1.0)
+  other = wa.init({"w": jnp.zeros(second)})
+  with pytest.raises(wa.WeightedAccumulationError, match=r"\['w'\].*shape"):
+    wa.accumulate_sum(other, g, 1.0)
+  assert other.grads["w"].shape == second

@@ -151,15 +151,13 @@ def test_state_with_rng_variables_is_refused():
     f(nnx.state(model), _batch(0))
 
 
-def test_module_with_rng_state_refused_with_data_axes():
+def test_module_with_batch_stats_refused_with_data_axes():
+  """Under plain jit with axis_name each replica would move its own
+  BatchNorm statistics: refused naming them (RNG streams are taken)."""
   model = _Net(nnx.Rngs(0))
-  f = wa.microbatched_value_and_grad(
-    _loss,
-    K,
-    mode="sum",
-    axis_name="data",
-  )
-  with pytest.raises(wa.WeightedAccumulationError, match="RngCount"):
+  model.bn = nnx.BatchNorm(1, rngs=nnx.Rngs(0))
+  f = wa.microbatched_value_and_grad(_loss, K, mode="sum", axis_name="data")
+  with pytest.raises(wa.WeightedAccumulationError, match="BatchStat"):
     f(model, _batch(0))
 
 

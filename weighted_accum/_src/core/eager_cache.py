@@ -1,20 +1,6 @@
-"""The structural checks of an eager microbatch, remembered per signature.
-
-Outside ``jit``, validating a microbatch (leaf paths, shapes, dtypes, the
-grads' placement against the buffers') walks every leaf in Python on every
-call, which costs several times the accumulation itself for many small
-leaves. The checks depend only on the two trees' structures and on each
-leaf's shape, dtype, weak type and sharding, so a call whose signature
-(``jax.tree.flatten``'s treedef and those per-leaf facts, for the grads and
-the buffers) was validated before skips them. A new signature is always
-validated; the weight's value is checked on every call. Under a
-transformation nothing is cached (tracing validates once anyway).
-
-The usual loop hands each call the state the previous call returned: those
-buffers are the kernel's outputs for buffers validated with grads of the same
-signature, so :func:`last_output` recognises that state (by identity, held
-weakly) and the buffers' signature is not read again.
-"""
+"""The structural checks of an eager microbatch, remembered per signature of
+the grads and the buffers (and the state an entry point last returned);
+rationale: ``docs/design.md``, "The eager validation cache"."""
 
 from __future__ import annotations
 
@@ -41,9 +27,8 @@ def _generic_facts(x: Any) -> Any:
 
 
 def signature(tree: Any) -> tuple[Any | None, list[Any]]:
-  """``(signature, leaves)``: the treedef and, per leaf, its abstract value
-  (shape, dtype, weak type) and sharding. ``None`` for a signature when a
-  leaf is traced or has facts that cannot be hashed."""
+  """``(signature, leaves)``: the treedef and each leaf's aval and sharding
+  (``None`` when a leaf is traced or unhashable)."""
   leaves, treedef = jax.tree.flatten(tree)
   if any(isinstance(x, jax.core.Tracer) for x in leaves):
     return None, leaves
@@ -78,8 +63,7 @@ _LAST: dict[str, tuple[Any, Any, Any]] = {}
 
 def last_output(name: str, state: Any, grads_sig: Any) -> Any:
   """What the validation returned for the call of ``name`` that returned
-  ``state`` (the very object), when ``grads_sig`` is that call's grads
-  signature; else ``None``."""
+  ``state`` (the very object) with grads of ``grads_sig``; else ``None``."""
   entry = _LAST.get(name)
   if entry is None or grads_sig is None:
     return None
@@ -89,8 +73,7 @@ def last_output(name: str, state: Any, grads_sig: Any) -> Any:
 
 def remember_output(name: str, state: Any, grads_sig: Any, value: Any) -> None:
   """Records that the call of ``name`` with grads of ``grads_sig`` returned
-  ``state`` (its buffers are the kernel's outputs: same structure, shapes,
-  dtypes and placement as the validated buffers)."""
+  ``state`` (buffers shaped and placed as the validated ones)."""
   if grads_sig is None:
     return
   try:

@@ -1,18 +1,10 @@
-"""The arguments of an in-step microbatched call, by role.
-
-``microbatched_value_and_grad`` gives each argument of ``loss_fn`` one role:
-differentiated (``argnums``: its floating array leaves only, so an Equinox
-module's static half stays fixed, as with ``eqx.filter_value_and_grad``),
-split into microbatches (``batch_argnums`` / ``batch_argnames``, along
-``in_axes``, strided or contiguous), threaded from one microbatch to the next
-(``state_argnums``), a random key folded with each microbatch's index
-(``key_argnums``), or passed unchanged (any value: strings, functions, an
-Equinox model's static half). This module checks the roles, splits one
-call's batch and builds each microbatch's arguments.
-"""
+"""The arguments of an in-step call by role: differentiated (floating leaves;
+an NNX object's Params), split, threaded state, random keys, or passed
+unchanged; the roles checked, one call's batch split into microbatches."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from flax import nnx
@@ -48,26 +40,46 @@ def _count(x: Any, what: str, hint: str) -> int | None:
   return validation.static_int(x, what=what, hint=hint)
 
 
+def _batch(what: str, batch: Any) -> tuple[tuple, tuple, Any]:
+  """``batch_argnums`` as positions, keyword names and batch axes."""
+  if batch is None:
+    return (), (), 0
+  axes = None
+  if isinstance(batch, Mapping):
+    for key, ax in batch.items():
+      if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
+        raise WeightedAccumulationError(
+          f"{what}(batch_argnums={batch!r}): the batch axis of argument {key!r} is "
+          f"{ax!r}; map each batch argument to an int axis, e.g. {{1: 0}}."
+        )
+    axes = dict(batch)
+  keys = [batch] if isinstance(batch, (str, int, np.integer)) else list(batch)
+  names = tuple(k for k in keys if isinstance(k, str))
+  nums = tuple(k for k in keys if not isinstance(k, str))
+  if isinstance(batch, (int, np.integer)):
+    nums = batch
+  if axes is None:
+    return nums, names, 0
+  order = [k for k in keys if not isinstance(k, str)] + list(names)
+  return nums, names, tuple(axes[k] for k in order)
+
+
 def configure(what: str, **kw: Any) -> Roles:
   """Validates the roles (each named in its error) and their disjointness."""
   k = _count(
     kw["num_microbatches"],
     f"{what}(num_microbatches=...)",
-    "The loop length is static; pass num_real_microbatches to run fewer "
-    "without recompiling.",
+    "pass num_real_microbatches to run fewer without recompiling.",
   )
   size = _count(kw["microbatch_size"], f"{what}(microbatch_size=...)", "")
   if (k is None) == (size is None):
     raise WeightedAccumulationError(
-      f"{what}: pass exactly one of num_microbatches (K, the loop length) "
-      "and microbatch_size (the rows per microbatch; K = batch size / it)."
+      f"{what}: pass exactly one of num_microbatches and microbatch_size."
     )
-  names = validation.argnames(
-    kw["batch_argnames"], what=what, name="batch_argnums"
-  )
-  batch = kw["batch_argnums"]
-  if batch is None:  # the default: argument 1, unless keyword batches given
-    batch = () if names else 1
+  batch, names, in_axes = _batch(what, kw["batch_argnums"])
+  names = validation.argnames(names, what=what, name="batch_argnums")
+  if kw["batch_argnums"] is None:  # the default: argument 1
+    batch = 1
   num = lambda name: validation.optional_argnums(
     kw[name] if name != "batch_argnums" else batch, what=what, name=name
   )
@@ -77,13 +89,11 @@ def configure(what: str, **kw: Any) -> Roles:
   }
   if not roles["argnums"]:
     raise WeightedAccumulationError(
-      f"{what}(argnums=()): nothing to differentiate; pass the params' "
-      "positional index."
+      f"{what}(argnums=()): nothing to differentiate; pass the params' index."
     )
   if not roles["batch_argnums"] and not names:
     raise WeightedAccumulationError(
-      f"{what}: no batch argument to split; pass batch_argnums (positions "
-      "or keyword names)."
+      f"{what}: no batch argument to split; pass batch_argnums."
     )
   _check_disjoint(what, roles)
   split = kw["split"]
@@ -91,7 +101,7 @@ def configure(what: str, **kw: Any) -> Roles:
     single=isinstance(kw["argnums"], (int, np.integer)),
     batch_argnames=names,
     in_axes=validation.in_axes(
-      kw["in_axes"], len(roles["batch_argnums"]) + len(names), what=what
+      in_axes, len(roles["batch_argnums"]) + len(names), what=what
     ),
     single_state=isinstance(kw["state_argnums"], (int, np.integer)),
     split=validation.split(
@@ -110,9 +120,8 @@ def _check_disjoint(what: str, roles: dict[str, tuple[int, ...]]) -> None:
     for n in nums:
       if n in seen:
         raise WeightedAccumulationError(
-          f"{what}: argument {n} is in both {seen[n]} and {name}; each "
-          "argument has one role (differentiated, split, threaded state or "
-          "random key)."
+          f"{what}: argument {n} is in both {seen[n]} and {name}; give "
+          "each argument one role."
         )
       seen[n] = name
 
@@ -121,11 +130,7 @@ def _check_disjoint(what: str, roles: dict[str, tuple[int, ...]]) -> None:
 
 
 class Diff(NamedTuple):
-  """A differentiated argument: its structure, which leaves are
-  differentiated (floating arrays) and all its leaves. For an NNX object
-  (an ``nnx.Module``), these are those of its ``nnx.Param`` state, and
-  ``node`` is the object, ``graphdef`` its structure and ``rest`` its other
-  state (RNG streams, batch statistics), threaded through the loop."""
+  """A differentiated argument (an NNX object: its Params, ``rest`` threaded)."""
 
   treedef: Any
   mask: tuple[bool, ...]
@@ -136,8 +141,7 @@ class Diff(NamedTuple):
 
 
 class Batch(NamedTuple):
-  """A split batch argument: where it goes, its leaves reshaped so that
-  microbatch ``i`` is index ``i`` along each leaf's ``take`` axis."""
+  """A split batch argument."""
 
   kind: str  # "arg" or "kw"
   where: Any  # positional index or keyword name
@@ -158,9 +162,7 @@ class Call(NamedTuple):
 
 
 def differentiable(x: Any) -> bool:
-  """A floating array leaf (JAX or NumPy), as ``eqx.is_inexact_array``
-  without complex numbers: what is differentiated; other leaves (ints,
-  bools, Python numbers, strings, functions) are held fixed."""
+  """A floating array leaf (as ``eqx.is_inexact_array``, complex apart)."""
   if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
     return False
   return jnp.issubdtype(x.dtype, jnp.floating)
@@ -171,9 +173,7 @@ def _python_float(x: Any) -> bool:
 
 
 def float_params(roles: Roles, args: tuple) -> tuple:
-  """``args`` with each differentiated argument that has no floating array
-  holding its Python floats as float32 scalars (see :func:`_diff`), so
-  that every path (with ``data_axes`` too) sees them as arrays."""
+  """Python-float-only params as float32 scalars (see :func:`_diff`)."""
   out = list(args)
   for n in roles.argnums:
     if n < len(out) and not any(map(differentiable, jax.tree.leaves(out[n]))):
@@ -184,11 +184,7 @@ def float_params(roles: Roles, args: tuple) -> tuple:
 
 
 def _diff(what: str, n: int, x: Any) -> Diff:
-  """The differentiated leaves of argument ``n``: its floating arrays; in an
-  argument that has none, its Python floats, as ``jax.grad`` takes them
-  (each a weakly typed float32 scalar: ``jax.grad(f)(1.0)``). Where arrays
-  are present Python floats stay fixed (an Equinox module's ``p: float``,
-  as ``eqx.filter_value_and_grad`` holds it)."""
+  """The differentiated leaves of argument ``n``."""
   if nnx.graph.is_graph_node(x):  # as nnx.value_and_grad: Params, the rest
     graphdef, params, rest = nnx.split(x, nnx.Param, ...)
     d = _diff(what, n, params)
@@ -202,30 +198,19 @@ def _diff(what: str, n: int, x: Any) -> Diff:
   if not any(mask):
     raise WeightedAccumulationError(
       f"{what}: argument {n} (argnums) has no floating leaf to "
-      f"differentiate (got {type(x).__name__}; ints, bools and strings are "
-      "not differentiable). Pass the params as floating arrays or Python "
-      "floats, e.g. jnp.asarray(1.0) for a scalar."
+      f"differentiate (got {type(x).__name__}); pass floating arrays."
     )
   return Diff(treedef, mask, tuple(leaves))
 
 
 def _refuse_nnx_state(what: str, n: int, x: Any) -> None:
-  """A tree (an ``nnx.State``) holding NNX variables other than
-  ``nnx.Param``: their updates (an RNG stream's count, batch statistics)
-  could not be returned, and silently dropping them repeats one dropout
-  mask for ever."""
-  is_var = lambda v: isinstance(v, nnx.Variable)
-  for path, v in jax.tree_util.tree_flatten_with_path(x, is_leaf=is_var)[0]:
-    if is_var(v) and not isinstance(v, nnx.Param):
+  """Refuses a tree of NNX variables other than ``nnx.Param``."""
+  for path, v in jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_var)[0]:
+    if _is_var(v) and not isinstance(v, nnx.Param):
       raise WeightedAccumulationError(
         f"{what}: argument {n} (argnums) holds {type(v).__name__} at "
-        f"{jax.tree_util.keystr(path)}, which is not differentiated and "
-        "whose updates this tree cannot carry out. Pass the whole "
-        "nnx.Module (its non-Param state is threaded through the "
-        "microbatches and written back, as nnx.value_and_grad does), or "
-        "split it: nnx.split(model, nnx.Param, ...), the params at argnums "
-        "and the rest at state_argnums (loss_fn returns its new value; "
-        "random keys may instead go to key_argnums)."
+        f"{jax.tree_util.keystr(path)}, whose updates a tree cannot return: "
+        "pass the whole nnx.Module, or that state at state_argnums."
       )
 
 
@@ -247,8 +232,7 @@ def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
 
 
 def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
-  """``(path, leaf, axis, size)`` of every batch leaf, the axis made
-  non-negative."""
+  """``(name, leaf, axis, size)`` of every batch leaf."""
   out = []
   for (kind, where, tree), ax in zip(trees, roles.in_axes):
     name = f"batch argument {where!r}" if kind == "kw" else f"argument {where}"
@@ -258,8 +242,7 @@ def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
       if not 0 <= a < nd:
         raise WeightedAccumulationError(
           f"{what}: {name} leaf {path} has shape {np.shape(x)}, with no "
-          f"batch axis {ax} (batch_argnums' axis); every batch leaf needs one (pass "
-          "other values as another argument)."
+          f"batch axis {ax}; pass other values as another argument."
         )
       out.append((f"{name} leaf {path}", x, a, np.shape(x)[a]))
   return out
@@ -290,9 +273,7 @@ def num_microbatches(what: str, roles: Roles, sizes: list) -> int:
 
 
 def _reshape(x: Any, a: int, k: int, split: str) -> tuple[Any, int]:
-  """``x`` with batch axis ``a`` split in two, and the axis indexing the
-  microbatch: strided ``(B/K, K)`` (microbatch i = rows i::K) or contiguous
-  ``(K, B/K)`` (microbatch i = rows [i*B/K, (i+1)*B/K))."""
+  """``x``'s batch axis ``a`` split into (rows, K), and the K axis."""
   shape = np.shape(x)
   b = shape[a]
   two = (b // k, k) if split == "strided" else (k, b // k)
@@ -306,8 +287,7 @@ def _batch_trees(roles: Roles, args: tuple, kwargs: dict) -> list:
 
 
 def batch_leaves(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
-  """``(name, leaf, axis, size)`` of every batch leaf of one call, checked
-  against the roles (each leaf has its batch axis)."""
+  """``(name, leaf, axis, size)`` of one call's batch leaves, checked."""
   _check_indices(what, roles, args, kwargs)
   return _batch_sizes(what, roles, _batch_trees(roles, args, kwargs))
 
@@ -343,9 +323,7 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
 
 
 def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
-  """``(name, value, how to split it)`` of the arguments passed unchanged
-  to every microbatch (neither differentiated, split, threaded nor a
-  key)."""
+  """``(name, value, how to split it)`` of the arguments passed unchanged."""
   roled = set(roles.argnums + roles.batch_argnums)
   roled |= set(roles.state_argnums + roles.key_argnums)
   out = [
@@ -373,10 +351,7 @@ def diff_values(call: Call) -> tuple[list[Any], ...]:
 
 
 def as_params(call: Call, values: tuple[list[Any], ...], roles: Roles) -> Any:
-  """``values`` (shaped like :func:`diff_values`: the params, or their
-  grads) in the params' structure, ``None`` where a leaf is held fixed (as
-  ``eqx.filter(model, eqx.is_inexact_array)``); one tree for an int
-  ``argnums``, else a tuple."""
+  """``values`` (as :func:`diff_values`) in the params' structure."""
   trees = []
   for d, vals in zip(call.diffs, values):
     it = iter(vals)
@@ -387,9 +362,7 @@ def as_params(call: Call, values: tuple[list[Any], ...], roles: Roles) -> Any:
 
 
 def param_tree(what: str, n: int, x: Any) -> Any:
-  """Argument ``n``'s differentiated leaves in its gradients' structure
-  (``None`` where a leaf is held fixed; an NNX object's ``nnx.Param``
-  state)."""
+  """Argument ``n``'s differentiated leaves (``None`` where held fixed)."""
   d = _diff(what, n, x)
   return jax.tree.unflatten(
     d.treedef, [v if m else None for v, m in zip(d.leaves, d.mask)]
@@ -404,35 +377,70 @@ def _combine(d: Diff, vals: list[Any]) -> Any:
 
 
 def states(call: Call, roles: Roles) -> tuple[Any, ...]:
-  """The threaded values at the call: the ``state_argnums`` arguments',
-  then each differentiated NNX object's non-Param state."""
+  """The threaded values at the call."""
   rests = tuple(d.rest for d in call.diffs if d.node is not None)
   return tuple(call.args[n] for n in roles.state_argnums) + rests
 
 
+def _nodes(roles: Roles, args: Any) -> list:
+  return [
+    (n, args[n])
+    for n in roles.argnums
+    if n < len(args) and nnx.graph.is_graph_node(args[n])
+  ]
+
+
+def rng_states(roles: Roles, args: Any) -> list:
+  """The RNG streams of the differentiated NNX objects in ``args``."""
+  return [nnx.state(x, nnx.RngState) for _, x in _nodes(roles, args)]
+
+
+def update_rngs(roles: Roles, args: Any, rngs: list) -> None:
+  """Writes :func:`rng_states` back into the objects in ``args``."""
+  for (_, x), rng in zip(_nodes(roles, args), rngs):
+    nnx.update(x, rng)
+
+
 def refuse_node_state(what: str, roles: Roles, args: tuple, why: str) -> None:
-  """Refuses differentiated NNX objects with non-Param state where it
-  cannot be threaded (``why`` says where and what to do instead)."""
-  for n in roles.argnums:
-    x = args[n] if n < len(args) else None
-    if nnx.graph.is_graph_node(x):
-      rest = nnx.state(x, nnx.Not(nnx.Param))
-      if jax.tree.leaves(rest):
-        raise WeightedAccumulationError(
-          f"{what}: argument {n} (argnums) is an NNX object with non-Param "
-          f"state ({', '.join(sorted({type(v).__name__ for v in _vars(rest)}))}"
-          f"); {why}"
-        )
+  """Refuses NNX objects with non-Param state other than RNG streams."""
+  for n, x in _nodes(roles, args):
+    rest = nnx.state(x, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    if jax.tree.leaves(rest):
+      kinds = ", ".join(sorted({type(v).__name__ for v in _vars(rest)}))
+      raise WeightedAccumulationError(
+        f"{what}: argument {n} (argnums) is an NNX object with state "
+        f"({kinds}) each replica would update its own way; {why}"
+      )
+
+
+def _is_var(v: Any) -> bool:
+  return isinstance(v, nnx.Variable)
 
 
 def _vars(tree: Any) -> list:
-  is_var = lambda v: isinstance(v, nnx.Variable)
-  return [v for v in jax.tree.leaves(tree, is_leaf=is_var) if is_var(v)]
+  return [v for v in jax.tree.leaves(tree, is_leaf=_is_var) if _is_var(v)]
+
+
+def fold_rng_keys(tree: Any, r: Any) -> Any:
+  """The NNX RNG keys in ``tree`` folded with ``r`` (a replica's stream)."""
+  fold = lambda v: v.replace(jax.random.fold_in(v[...], r))
+  return jax.tree.map(
+    lambda v: fold(v) if isinstance(v, nnx.RngKey) else v, tree, is_leaf=_is_var
+  )
+
+
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+  """``tree`` varying over ``axes``, NNX RNG counts apart (alike everywhere)."""
+  keep = lambda v: isinstance(v, nnx.RngCount)
+  return jax.tree.map(
+    lambda v: v if keep(v) else tree_utils.to_varying(v, axes),
+    tree,
+    is_leaf=_is_var,
+  )
 
 
 def node_states(call: Call, roles: Roles, args: list) -> tuple[Any, ...]:
-  """The non-Param state of each differentiated NNX object in ``args``
-  (one microbatch's, after ``loss_fn`` ran on them)."""
+  """Each differentiated NNX object's non-Param state in ``args``."""
   return tuple(
     nnx.state(args[n], nnx.Not(nnx.Param))
     for n, d in zip(roles.argnums, call.diffs)
@@ -441,13 +449,12 @@ def node_states(call: Call, roles: Roles, args: list) -> tuple[Any, ...]:
 
 
 def write_back(call: Call, roles: Roles, threaded: tuple) -> tuple:
-  """Writes the NNX objects' final non-Param state into the caller's
-  objects (as ``nnx.value_and_grad`` does); returns the ``state_argnums``
-  part of ``threaded``."""
+  """Writes the NNX objects' final state back (keys as they came)."""
   k = len(roles.state_argnums)
-  nodes = [d.node for d in call.diffs if d.node is not None]
-  for node, rest in zip(nodes, threaded[k:]):
-    nnx.update(node, rest)
+  diffs = [d for d in call.diffs if d.node is not None]
+  for d, rest in zip(diffs, threaded[k:]):  # the RNG keys as they came
+    key = lambda new, old: old if isinstance(old, nnx.RngKey) else new
+    nnx.update(d.node, jax.tree.map(key, rest, d.rest, is_leaf=_is_var))
   return threaded[:k]
 
 
@@ -458,9 +465,7 @@ def microbatch(
   values: tuple[list[Any], ...],
   threaded: tuple[Any, ...],
 ) -> tuple[list[Any], dict]:
-  """The arguments of microbatch ``i``: its rows of each batch argument,
-  each random key folded with ``i``, the threaded states as they stand and
-  the differentiated arguments rebuilt from ``values``."""
+  """The arguments of microbatch ``i``."""
   args, kwargs = list(call.args), dict(call.kwargs)
   for b in call.batch:
     rows = [

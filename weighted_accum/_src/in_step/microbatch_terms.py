@@ -1,17 +1,7 @@
-"""Loss terms of in-step microbatching: what ``loss_fn`` returned on one
-microbatch (one loss, or a dict of terms, each with its weight), the windows
-the terms are added into, and their close.
-
-A term is normalised by its own total weight over the microbatches, unless
-its normaliser is given before the loop (``normalizers=``): every such term
-is divided by it inside the loop and, with ``mode="sum"``, they share one
-window, whose buffer is then a plain sum (one backward pass, no second
-buffer); with ``mode="mean"`` each keeps a window of its own (a fully
-masked term's 0/0 mean stays out of the others'). Every other term
-takes a window of its own (one more buffer and backward pass each), closed
-on the one finish path with the others; the gradient is that of the sum of
-the terms' means.
-"""
+"""Loss terms of in-step microbatching: one loss or a dict of terms, each
+normalised by its own total weight (a window each) or by a normaliser known
+before the loop (one shared window with ``mode="sum"``); their close.
+Rationale: ``docs/microbatching.md``."""
 
 from __future__ import annotations
 
@@ -33,8 +23,7 @@ _WHAT = "microbatched_value_and_grad"
 
 
 class Eval(NamedTuple):
-  """``loss_fn`` on one microbatch: its loss terms and weights by name
-  (``None`` for a single loss), its aux and the threaded states."""
+  """``loss_fn`` on one microbatch."""
 
   terms: dict
   weights: dict
@@ -43,8 +32,7 @@ class Eval(NamedTuple):
 
 
 class Group(NamedTuple):
-  """Terms added into one window: one term normalised by its own total
-  weight (``known=False``), or every term whose normaliser is given."""
+  """Terms added into one window."""
 
   terms: tuple
   known: bool
@@ -81,13 +69,9 @@ def _scalar(x: Any, kind: str, name: Any, floating: bool) -> jax.Array:
   bad = x.ndim or (floating and not jnp.issubdtype(x.dtype, jnp.floating))
   if bad:
     term = "" if name is None else f" of term {name!r}"
+    want = "a floating scalar" if floating else "a scalar item count"
     raise WeightedAccumulationError(
-      f"{_WHAT}(loss_fn): the {kind}{term} is {jax.typeof(x)}, expected "
-      + (
-        "a floating scalar."
-        if floating
-        else "a scalar (the microbatch's item count, e.g. mask.sum())."
-      )
+      f"{_WHAT}(loss_fn): the {kind}{term} is {jax.typeof(x)}, expected {want}."
     )
   return x
 
@@ -115,10 +99,7 @@ def evaluate(cfg: Any, args: list, kwargs: dict) -> Eval:
 
 
 def groups(names: list, norms: dict, mode: str) -> tuple[Group, ...]:
-  """The windows: one per term of unknown normaliser; the known ones share
-  one window with ``mode="sum"``. With ``mode="mean"`` each known term
-  keeps its own: a fully masked term's mean is 0/0, whose NaN gradient
-  only a window of its own (weight 0 there) keeps out of the sum."""
+  """The windows: one per unknown normaliser, the known ones shared (sum)."""
   known = tuple(t for t in names if t in norms)
   own = tuple(Group((t,), False) for t in names if t not in norms)
   if mode == "mean":
@@ -135,9 +116,7 @@ def part(cfg: Any, ev: Eval, t: Any, dtype: Any = _F32) -> jax.Array:
 
 
 def presence(ev: Eval, terms: tuple) -> jax.Array:
-  """A known-normaliser window's weight: 1 for a microbatch where a term has
-  weight, 0 for one where none has (it adds nothing, even NaN), NaN when a
-  weight is invalid (the microbatch is rejected, as a bad weight is)."""
+  """A known-normaliser window's weight."""
   ws = [
     validation.weight(ev.weights[t], what=f"{_WHAT}(loss_fn) weight of {t!r}")
     for t in terms
@@ -151,8 +130,7 @@ def presence(ev: Eval, terms: tuple) -> jax.Array:
 
 
 class _Closed(NamedTuple):
-  """Every window closed: their results, and the (global) per-term loss
-  sums and weights and per-window rejection counts."""
+  """Every window closed."""
 
   outs: list
   sums: dict
@@ -160,9 +138,7 @@ class _Closed(NamedTuple):
 
 
 def _finish_all(cfg: Any, carry: Any) -> _Closed:
-  """Each window closed on the one finish path; with ``axis_name`` the
-  first close's collective round also carries every term's loss sum and
-  weight and every window's rejection count."""
+  """Each window closed on the one finish path."""
   names = list(carry.sums)
   extra = {f"loss{j}": carry.sums[t][0] for j, t in enumerate(names)}
   extra |= {f"weight{j}": carry.sums[t][1] for j, t in enumerate(names)}
@@ -175,7 +151,7 @@ def _finish_all(cfg: Any, carry: Any) -> _Closed:
     out, _, got = window.finish(
       st,
       mean=True,
-      axes=cfg.axis_name or (),
+      axes=st.placement.axes,
       extra=extra if j == 0 else None,
       plan=None if cfg.spmd is None else cfg.spmd.plan,
       what=_WHAT,
@@ -211,9 +187,7 @@ def _wide(x: jax.Array) -> jax.Array:
 
 
 def _mean_grads(groups: tuple, outs: list) -> Any:
-  """The windows' means summed, in the compute dtype; a known-normaliser
-  window's mean is multiplied back by its microbatch count (its terms were
-  divided by their normalisers already)."""
+  """The windows' means summed, in the compute dtype."""
   parts = [
     jax.tree.map(_wide, o.grads)
     if not g.known
@@ -224,8 +198,7 @@ def _mean_grads(groups: tuple, outs: list) -> Any:
 
 
 def conclude(cfg, call, groups, norms, carry: Any):
-  """The exact loss (one per term for a dict of terms) and the gradient of
-  their sum, with flags over every window."""
+  """The exact loss (per term) and the gradient of their sum, with flags."""
   c = _finish_all(cfg, carry)
   own = {g.terms[0]: o for g, o in zip(groups, c.outs) if not g.known}
   weight, loss = {}, {}

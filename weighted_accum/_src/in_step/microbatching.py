@@ -1,16 +1,7 @@
-"""In-step microbatching: one call splits a batch into K microbatches, runs
-them one after another in a loop and returns the exact weighted mean gradient.
-
-``microbatched_value_and_grad`` builds the step function (its ``.accumulate``
-adds one call into an open window instead). The arguments' roles and the
-split are in :mod:`weighted_accum._src.in_step.microbatch_args`; this module runs
-``loss_fn`` on each microbatch, adds its gradients on the one accumulate
-path, threads non-parameter state from one microbatch to the next, and
-closes on the one close path. Loss terms with different normalisers each
-take a window of their own, except those whose normaliser is known before
-the loop, which share one. Rationale, memory and all-reduce figures:
-``docs/microbatching.md``.
-"""
+"""In-step microbatching: the loop over one call's K microbatches, each
+added on the one accumulate path into its window(s), non-parameter state
+threaded from one to the next, closed on the one close path. Rationale:
+``docs/microbatching.md``."""
 
 from __future__ import annotations
 
@@ -30,9 +21,9 @@ from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step import microbatch_terms as terms
-from weighted_accum._src.in_step import microbatching_spmd as spmd
 from weighted_accum._src.parallel import distributed as dist
 from weighted_accum._src.parallel import replicas
+from weighted_accum._src.parallel.spmd_layout import DataParallel
 
 _F32 = jnp.float32
 _WHAT = "microbatched_value_and_grad"
@@ -48,21 +39,20 @@ class _Config(NamedTuple):
   dtype: np.dtype
   grads_dtype: Any  # None (the work dtype), "params" or a dtype
   loss_scale: Any
-  axis_name: tuple[str, ...] | None
-  data_axes: tuple[str, ...] | None = None
-  param_specs: Any = None
-  fsdp: str = "gather_once"
-  spmd: Any = None  # inside the data_axes shard_map: a spmd.Layout
+  dp: DataParallel | None  # the data axes and the params' FSDP layout
+  spmd: Any = None  # under plain jit, inside the shard_map: a spmd.Layout
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The data axes (empty without ``axis_name``)."""
+    return () if self.dp is None else self.dp.axes
 
 
 # -------------------------------------------------------- one microbatch --
 
 
 def _objective(cfg, call, group, norms, i, threaded, scale):
-  """What one microbatch differentiates for one window: a function of the
-  differentiated leaves returning the window's scaled scalar and the
-  evaluation. One function per window: a term's backward pass never meets
-  another window's terms (a fully masked term's 0/0 stays out of it)."""
+  """One window's scaled scalar of microbatch ``i`` and the evaluation."""
 
   def fn(values):
     ev = _evaluate(cfg, call, i, values, threaded)
@@ -82,8 +72,7 @@ def _objective(cfg, call, group, norms, i, threaded, scale):
 
 
 def _evaluate(cfg, call, i, values, threaded) -> terms.Eval:
-  """``loss_fn`` on microbatch ``i``; the threaded states it leaves (those
-  it returns, then the NNX objects' non-Param state it mutated)."""
+  """``loss_fn`` on microbatch ``i``, with the threaded states it leaves."""
   args, kwargs = margs.microbatch(call, cfg.roles, i, values, threaded)
   ev = terms.evaluate(cfg, args, kwargs)
   return ev._replace(
@@ -102,8 +91,7 @@ class _Carry(NamedTuple):
 
 
 def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
-  """The evaluation's shapes (microbatch 0: term names, aux), the threaded
-  states checked to come back as they went in."""
+  """Microbatch 0's evaluation shapes; the threaded states checked."""
   values = margs.diff_values(call)
 
   def first():
@@ -126,9 +114,8 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
   got, want = jax.tree.structure(ev.states), jax.tree.structure(threaded)
   if got != want or like(ev.states) != like(threaded):
     raise WeightedAccumulationError(
-      f"{_WHAT}(loss_fn): the new state it returns ({got}) is not shaped "
-      f"like the state argument(s) {cfg.roles.state_argnums} ({want}); the "
-      "state threaded through the microbatches must keep its structure, "
+      f"{_WHAT}(loss_fn): the new state ({got}) is not shaped like state "
+      f"argument(s) {cfg.roles.state_argnums} ({want}); keep its structure, "
       "shapes and dtypes."
     )
   return ev
@@ -137,15 +124,13 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
 def _add(cfg, g, st, grads, ev) -> AccumState:
   w = terms.presence(ev, g.terms) if g.known else ev.weights[g.terms[0]]
   mean = cfg.mode == "mean" and not g.known
-  if cfg.spmd is not None:  # data_axes: FSDP grads may be scattered each
+  if cfg.spmd is not None:  # FSDP grads may be scattered each
     return cfg.spmd.add(st, grads, w, mean=mean, name=_WHAT)
   return accumulation.add(st, grads, w, mean=mean, name=_WHAT)
 
 
 def _tally(cfg, g, old, new, ev, sums) -> dict:
-  """Adds the microbatch's loss sums and weights of ``g``'s terms, where
-  its window took it. A term of weight 0 adds nothing to its loss sum, not
-  even NaN (a fully masked microbatch), whatever the mode and normaliser."""
+  """``g``'s loss sums and weights where its window took the microbatch."""
   took = new.rejected == old.rejected
   sums = dict(sums)
   for t in g.terms:
@@ -160,15 +145,25 @@ def _tally(cfg, g, old, new, ev, sums) -> dict:
   return sums
 
 
-def _body(cfg, call, groups, norms, scale):
-  axes = cfg.axis_name or ()
+def _check_rows(loss, axes) -> None:
+  """Refuses a loss varying over ``shard_map`` axes not in ``axis_name``."""
+  extra = tuple(sorted(set(tree_utils.varying_axes(loss)) - set(axes)))
+  if extra:
+    raise WeightedAccumulationError(
+      f"{_WHAT}(axis_name={axes or None}): the loss varies over {extra} "
+      "(a shard_map's rows): pass axis_name over them (one reduction), or "
+      "call f outside shard_map on the global batch."
+    )
 
+
+def _body(cfg, call, groups, norms, scale, axes):
   def body(i, carry: _Carry) -> _Carry:
     values = tree_utils.to_varying(margs.diff_values(call), axes)
     states, sums, ev = [], carry.sums, None
     for g, st in zip(groups, carry.states):
       fn = _objective(cfg, call, g, norms, i, carry.threaded, scale)
       out, pull, got = jax.vjp(fn, values, has_aux=True)
+      _check_rows(out, axes)
       ev = ev or got  # one evaluation: the others' forward is the same
       one = jnp.ones((), out.dtype)
       ct = tree_utils.vary_like(one, out, axes) if axes else one
@@ -177,17 +172,15 @@ def _body(cfg, call, groups, norms, scale):
       sums = _tally(cfg, g, st, new, ev, sums)
       states.append(new)
     aux = jax.tree.map(lambda b, a: b.at[i].set(a), carry.aux, ev.aux)
-    threaded = tree_utils.to_varying(ev.states, axes)
+    threaded = margs.vary(ev.states, axes)
     return _Carry(tuple(states), sums, aux, threaded)
 
   return body
 
 
 def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
-  """Runs the microbatches into the windows ``states``; returns the final
-  carry (windows, per-term float32 loss sums and weights of the microbatches
-  taken, stacked aux, threaded states)."""
-  axes = cfg.axis_name or ()
+  """Runs the microbatches into the windows ``states`` (over their axes)."""
+  axes = states[0].placement.axes
   scale = states[0].loss_scale
   aux = jax.tree.map(lambda s: jnp.zeros((call.k,) + s.shape, s.dtype), ev.aux)
   zero = jnp.zeros((), _F32)
@@ -199,30 +192,24 @@ def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
     threaded,
   )
   upper = call.k if n_real is None else n_real
-  body = _body(cfg, call, groups, norms, scale)
+  body = _body(cfg, call, groups, norms, scale, axes)
   return jax.lax.fori_loop(0, upper, body, carry)
 
 
 # ------------------------------------------------------------ the public --
 
 
-def _to_window(state: Any, axes: tuple[str, ...] | None):
-  """The window to add to, and whether it was this replica's block of a
-  stacked window (returned as one)."""
+def _to_window(state: Any, axes: tuple[str, ...]):
+  """The window to add to, and whether it was a block of a stacked one."""
   what = f"{_WHAT}(...).accumulate(state)"
   state = validation.instance(
-    state,
-    AccumState,
-    what=what,
-    hint="Pass the open window (from wa.init).",
+    state, AccumState, what=what, hint="Pass the open window (from wa.init)."
   )
-  if axes is None:
+  if not axes:
     if state.placement.kind != base.GLOBAL:
       raise WeightedAccumulationError(
-        f"{what}: this window is per replica over {state.placement.axes} "
-        "(wa.init(..., axis_name=...)), but this function has no axis_name: "
-        "build it with the window's axis_name, or start a global window "
-        "with wa.init(params)."
+        f"{what}: the window is per replica over {state.placement.axes}; "
+        "build f with that axis_name, or use a global wa.init(params) window."
       )
     return state, False
   block = replicas.is_stacked(state)
@@ -231,12 +218,18 @@ def _to_window(state: Any, axes: tuple[str, ...] | None):
   pl = state.placement
   if pl.kind != base.REPLICA or pl.reduce != "window" or pl.axes != axes:
     raise WeightedAccumulationError(
-      f"{what}: this function adds each replica's sums over {axes} and "
-      "reduces them once at the close, but the window is "
-      f"{pl.kind} (axes {pl.axes}, reduce={pl.reduce!r}). Make it with "
+      f"{what}: expected a per-replica window over {axes} (reduce='window'), "
+      f"got {pl.kind} over {pl.axes} (reduce={pl.reduce!r}). Make it with "
       f"wa.init(params, axis_name={axes!r}) inside the shard_map."
     )
   return replicas.as_varying(state, axes), block
+
+
+def _data_parallel(axis_name: Any) -> DataParallel | None:
+  if axis_name is None or isinstance(axis_name, DataParallel):
+    return axis_name
+  what = f"{_WHAT}(axis_name=...)"
+  return DataParallel(validation.axis_names(axis_name, what=what))
 
 
 def _configure(loss_fn, num_microbatches, **kw) -> _Config:
@@ -244,43 +237,24 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
     raise WeightedAccumulationError(
       f"{_WHAT}(loss_fn): {loss_fn!r} is not callable."
     )
-  roles = margs.configure(
-    _WHAT,
-    num_microbatches=num_microbatches,
-    **{k: kw.pop(k) for k in _ROLE_KEYS},
-  )
-  dt = validation.work_dtype(kw["dtype"], what=f"{_WHAT}(dtype=...)")
+  what = lambda name: f"{_WHAT}({name}=...)"
+  dt = validation.work_dtype(kw.pop("dtype"), what=what("dtype"))
   return _Config(
     loss_fn=loss_fn,
-    mode=validation.mode(kw["mode"], what=f"{_WHAT}(mode=...)"),
-    has_aux=validation.static_flag(kw["has_aux"], what=f"{_WHAT}(has_aux=)"),
-    roles=roles,
+    mode=validation.mode(kw.pop("mode"), what=what("mode")),
+    has_aux=validation.static_flag(kw.pop("has_aux"), what=what("has_aux")),
     dtype=dt,
     grads_dtype=validation.grads_dtype(
-      kw["grads_dtype"], what=f"{_WHAT}(grads_dtype=...)"
+      kw.pop("grads_dtype"), what=what("grads_dtype")
     ),
     loss_scale=validation.loss_scale(
-      kw["loss_scale"],
-      what=f"{_WHAT}(loss_scale=...)",
+      kw.pop("loss_scale"),
+      what=what("loss_scale"),
       dtype=numerics.tally_dtype(dt),
     ),
-    axis_name=validation.optional_axis_names(
-      kw["axis_name"], what=f"{_WHAT}(axis_name=...)"
-    ),
-    **spmd.options(kw),
+    dp=_data_parallel(kw.pop("axis_name")),
+    roles=margs.configure(_WHAT, num_microbatches=num_microbatches, **kw),
   )
-
-
-_ROLE_KEYS = (
-  "microbatch_size",
-  "argnums",
-  "batch_argnums",
-  "batch_argnames",
-  "in_axes",
-  "state_argnums",
-  "key_argnums",
-  "split",
-)
 
 
 class _Prepared(NamedTuple):
@@ -292,22 +266,34 @@ class _Prepared(NamedTuple):
 
 def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
   """One call's arguments checked and split, the evaluation's shapes."""
-  if cfg.axis_name is not None:
-    validation.bound_axes(cfg.axis_name, what=f"{_WHAT}(axis_name=...)")
+  axes = cfg.axes
+  if axes:
+    validation.bound_axes(axes, what=f"{_WHAT}(axis_name=...)")
   call = margs.prepare(_WHAT, cfg.roles, args, kwargs)
   if n_real is not None and not cfg.roles.split_named:
     raise WeightedAccumulationError(
-      f"{_WHAT}: num_real_microbatches=n runs microbatches 0..n-1 only, so "
-      "the real rows must lie in them: name the split. split='contiguous' "
-      "(microbatch k = the k-th block of B/K rows) fits a loader's padded "
-      "batch, real rows first; split='strided' (microbatch k = rows k::K) "
-      "needs real row r to have r % K < n. Pass split= to "
-      "microbatched_value_and_grad."
+      f"{_WHAT}: num_real_microbatches=n runs microbatches 0..n-1 only: name "
+      "the split (split='contiguous': a padded batch, real rows first; "
+      "'strided': real row r needs r % K < n)."
     )
   n_real = validation.num_real(n_real, call.k, what=_WHAT)
-  axes = cfg.axis_name or ()
-  threaded = tree_utils.to_varying(margs.states(call, cfg.roles), axes)
+  threaded = margs.states(call, cfg.roles)
+  if axes:  # each replica its own keys and NNX RNG streams
+    r = jax.lax.axis_index(axes)
+    call = call._replace(args=_replica_keys(cfg.roles, call.args, r))
+    k = len(cfg.roles.state_argnums)  # a module's streams; restored after
+    threaded = threaded[:k] + margs.fold_rng_keys(threaded[k:], r)
+    threaded = margs.vary(threaded, axes)
   return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
+
+
+def _replica_keys(roles: margs.Roles, args: tuple, r: Any) -> tuple:
+  """Each random key folded with this replica's index ``r``."""
+  fold = lambda key: jax.random.fold_in(key, r)
+  return tuple(
+    jax.tree.map(fold, a) if n in roles.key_argnums else a
+    for n, a in enumerate(args)
+  )
 
 
 def _with_state(cfg: _Config, call, result: Any, threaded: tuple) -> Any:
@@ -318,8 +304,7 @@ def _with_state(cfg: _Config, call, result: Any, threaded: tuple) -> Any:
 
 
 def call_scale(cfg: _Config, loss_scale: Any) -> Any:
-  """The call's loss scale (``f``'s ``loss_scale=``, else the configured
-  one), validated in the window's scale dtype (float64 stays float64)."""
+  """The call's loss scale (``f``'s, else the configured one), validated."""
   if loss_scale is None:
     return cfg.loss_scale
   return validation.loss_scale(
@@ -340,16 +325,16 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
     where = f"{_WHAT}(...)(normalizers=...)" + (
       "" if term is None else f"[{term!r}]"
     )
-    validation.shared(v, cfg.axis_name or (), what=where)
+    validation.shared(v, cfg.axes, what=where)
   groups = terms.groups(names, norms, cfg.mode)
   ls = call_scale(cfg, loss_scale)
   params = margs.as_params(p.call, margs.diff_values(p.call), cfg.roles)
   if cfg.spmd is not None:  # scatter_each: a carry of each FSDP shard
     params = cfg.spmd.buffers(params)
   new = lambda: (
-    accumulation.init(params, cfg.dtype, ls)
-    if cfg.axis_name is None
-    else dist.make(params, cfg.axis_name, "window", cfg.dtype, ls)
+    dist.make(params, cfg.axes, "window", cfg.dtype, ls)
+    if cfg.axes
+    else accumulation.init(params, cfg.dtype, ls)
   )
   states = [new() for _ in groups]
   carry = _loop(cfg, p.call, groups, norms, states, p.n_real, p.ev, p.threaded)
@@ -367,14 +352,13 @@ def _accumulate(cfg: _Config, state, args, kwargs, n_real):
   if list(p.ev.terms) != [None]:
     raise WeightedAccumulationError(
       f"{_WHAT}(...).accumulate: loss_fn returns loss terms "
-      f"{sorted(map(str, p.ev.terms))}; a window spanning calls has one "
-      "normaliser. Return one loss, or call the function itself per batch."
+      f"{sorted(map(str, p.ev.terms))}; a window across calls has one normaliser: return one loss."
     )
-  st, block = _to_window(state, cfg.axis_name)
+  st, block = _to_window(state, cfg.axes)
   groups = (terms.Group((None,), False),)
   carry = _loop(cfg, p.call, groups, {}, [st], p.n_real, p.ev, p.threaded)
   value, st = carry.sums[None], carry.states[0]
   if block:
-    st = replicas.stack(st, cfg.axis_name)
+    st = replicas.stack(st, cfg.axes)
   result = ((value, carry.aux) if cfg.has_aux else value), st
   return _with_state(cfg, p.call, result, carry.threaded)

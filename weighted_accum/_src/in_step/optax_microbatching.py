@@ -1,9 +1,6 @@
-"""``optax_accumulator``: the exact weighting of in-step microbatching as an
-``optax.microbatching.Accumulator``, for ``optax.microbatching.microbatch``,
-``micro_vmap`` and ``micro_grad``. Its carry is an ``AccumState`` filled on
-the one accumulate path and closed on the one close path. Why MEAN is biased
-on padded data: ``docs/microbatching.md``.
-"""
+"""``optax_accumulator``: the exact weighting as an
+``optax.microbatching.Accumulator`` (why MEAN is biased on padded data:
+``docs/microbatching.md``)."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ _F32 = jnp.float32
 
 
 class _Folded(NamedTuple):
-  """``aggregate``'s output: per-example values folded into one value of the
-  form ``((mean_loss, total_weight), mean_grads)`` (a pair, so it unpacks as
-  the result does; ``update`` adds it as a mean-loss microbatch)."""
+  """``aggregate``'s output."""
 
   value: Any
   grads: Any
@@ -124,9 +119,7 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
     return (nan(loss), nan(out.weight)), grads
 
   def aggregate(values):
-    """Per-example values (leading axis) folded on the same paths: each
-    example added by ``update`` (its weight validated, the exact tally),
-    one finish; what ``micro_vmap`` returns without ``microbatch_size``."""
+    """Per-example values (leading axis) folded on the same paths."""
     _unpack_value(values)
     n = jax.tree.leaves(values)[0].shape[0]
     one = lambda i: jax.tree.map(lambda x: x[i], values)

@@ -8,13 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from weighted_accum._src import validation
-from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step import microbatching_spmd as spmd
-from weighted_accum._src.in_step.microbatching import _WHAT
 from weighted_accum._src.in_step.microbatching import _accumulate
 from weighted_accum._src.in_step.microbatching import _Config
 from weighted_accum._src.in_step.microbatching import _configure
@@ -115,8 +112,8 @@ def microbatched_value_and_grad(
       state, flax ``mutable`` collections): each microbatch gets the state
       the previous one returned; ``f`` returns the last.
     key_argnums: positional argument(s) holding one PRNG key each (or a
-      pytree of keys): microbatch i gets ``jax.random.fold_in(key, i)``, so
-      dropout differs across microbatches.
+      pytree of keys): microbatch i gets ``jax.random.fold_in(key, i)``;
+      with ``axis_name``, replica r's gets ``fold_in(fold_in(key, r), i)``.
     dtype: the accumulation work dtype.
     grads_dtype: the dtype of the returned gradients: ``None`` (the work
       dtype), ``"params"`` (each param's own dtype), or a floating dtype.
@@ -133,9 +130,10 @@ def microbatched_value_and_grad(
       global batch sharded over them (the loop then runs in a
       partial-manual ``shard_map`` over just these axes; each batch leaf's
       rows divisible by ``N * K``; ``split="contiguous"`` and
-      ``state_argnums`` refused there; keys also folded with the replica's
-      index). Either way a call reduces the sums, the weights and the
-      counters ONCE whatever K (``docs/scaling.md``).
+      ``state_argnums`` refused there). Either way a call reduces the sums,
+      the weights and the counters ONCE whatever K (``docs/scaling.md``).
+      Naming it declares that rows may run per replica; without it
+      ``loss_fn`` sees microbatches of the global batch on every mesh.
 
   Returns:
     ``f(*args, num_real_microbatches=None, loss_scale=None,
@@ -182,7 +180,8 @@ def microbatched_value_and_grad(
       the state argument, ``num_real_microbatches`` without ``split``, an
       ``axis_name`` that the batch's mesh does not have or whose replicas
       times K do not divide the batch, FSDP param
-      specs the reduce-scatter cannot produce, or (eagerly) a call whose
+      specs the reduce-scatter cannot produce, a loss varying over
+      ``shard_map`` axes outside ``axis_name``, or (eagerly) a call whose
       total weight is 0.
 
   Example:
@@ -206,79 +205,22 @@ def microbatched_value_and_grad(
     microbatch_size=microbatch_size,
     has_aux=has_aux,
     argnums=argnums,
-    **_batch_roles(batch_argnums),
+    batch_argnums=batch_argnums,
     split=split,
     state_argnums=state_argnums,
     key_argnums=key_argnums,
     dtype=dtype,
     grads_dtype=grads_dtype,
     loss_scale=loss_scale,
-    **_data_parallel(axis_name),
+    axis_name=axis_name,
   )
   return _functions(cfg)
 
 
-def _batch_roles(batch_argnums: Any) -> dict[str, Any]:
-  """``batch_argnums`` as the loop's roles: positions, keyword names and
-  each one's batch axis (positions first, then names)."""
-  if batch_argnums is None:
-    return dict(batch_argnums=None, batch_argnames=(), in_axes=0)
-  if isinstance(batch_argnums, Mapping):
-    keys, axes = list(batch_argnums), list(batch_argnums.values())
-    for key, ax in zip(keys, axes):
-      if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
-        raise WeightedAccumulationError(
-          f"{_WHAT}(batch_argnums={batch_argnums!r}): the batch axis of "
-          f"argument {key!r} is {ax!r}; map each batch argument (a position "
-          "or a keyword name) to an int axis, e.g. {1: 0, 'mask': 1}."
-        )
-  elif isinstance(batch_argnums, (str, int, np.integer)):
-    keys, axes = [batch_argnums], None
-  else:
-    keys, axes = list(batch_argnums), None
-  names = [k for k in keys if isinstance(k, str)]
-  nums = [k for k in keys if not isinstance(k, str)]
-  if axes is not None:  # positions first, then names
-    by_key = dict(zip(keys, axes))
-    axes = [by_key[k] for k in nums + names]
-  single = isinstance(batch_argnums, (int, np.integer))
-  return dict(
-    batch_argnums=batch_argnums if single else tuple(nums),
-    batch_argnames=tuple(names),
-    in_axes=0 if axes is None else tuple(axes),
-  )
-
-
-def _data_parallel(axis_name: Any) -> dict[str, Any]:
-  """``axis_name`` as the loop's data-parallel options: the axes (inside
-  ``shard_map``: this replica's rows; under plain ``jit``: the global
-  batch over them) and the FSDP layout."""
-  if axis_name is None:
-    return dict(
-      axis_name=None, data_axes=None, param_specs=None, fsdp="gather_once"
-    )
-  dp = axis_name
-  if not isinstance(dp, DataParallel):
-    axes = validation.axis_names(axis_name, what=f"{_WHAT}(axis_name=...)")
-    dp = DataParallel(axes)
-  return dict(
-    axis_name=dp.axes,
-    data_axes=dp.axes,
-    param_specs=dp.param_specs,
-    fsdp=dp.fsdp,
-  )
-
-
 def _functions(cfg: _Config) -> Callable[..., Any]:
-  """``f`` and its ``.accumulate`` for one configuration."""
-  eager: dict = {}  # data_axes: the compiled programs of eager calls
-
-  inside = cfg._replace(data_axes=None)
-
-  def global_batch() -> bool:
-    """Called under plain ``jit`` on the global batch (the data axes not
-    bound by an enclosing ``shard_map``)."""
-    return cfg.data_axes is not None and not replicas.bound(cfg.data_axes)
+  """``f`` and its ``.accumulate`` (with ``axis_name`` unbound: per replica)."""
+  eager: dict = {}  # the compiled programs of eager calls (run_eagerly)
+  global_batch = lambda: cfg.dp is not None and not replicas.bound(cfg.axes)
 
   def f(
     *args, num_real_microbatches=None, loss_scale=None, normalizers=None, **kw
@@ -286,31 +228,16 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
     args = margs.float_params(cfg.roles, args)
     n_real = num_real_microbatches
     if global_batch():
-      ls = call_scale(cfg, loss_scale)
-      call = (args, kw, n_real, ls, normalizers)
-      return spmd.value_and_grad(cfg, _step, call, eager)
-    typed = None
-    if cfg.data_axes is None:  # an Explicit batch names its data axes
-      typed = spmd.typed_data_axes(cfg, args, kw)
-    if typed is not None:
-      axes, n = typed  # reduce once, not K times
       call = (args, kw, n_real, call_scale(cfg, loss_scale), normalizers)
-      try:
-        typed_cfg = cfg._replace(data_axes=axes)
-        loss, out = spmd.value_and_grad(typed_cfg, _step, call, eager)
-      except Exception:  # pylint: disable=broad-except
-        pass  # e.g. a loss_fn that names a data axis: run it as written
-      else:  # issued counted as without data axes: K, not N x K
-        return loss, out.replace(issued=out.issued // n)
-    return _step(inside, args, kw, n_real, loss_scale, normalizers)
+      return spmd.value_and_grad(cfg, _step, call, eager)
+    return _step(cfg, args, kw, n_real, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
     args = margs.float_params(cfg.roles, args)
+    call = (args, kw, num_real_microbatches)
     if global_batch():
-      return spmd.accumulate(
-        cfg, _accumulate, state, (args, kw, num_real_microbatches), eager
-      )
-    return _accumulate(inside, state, args, kw, num_real_microbatches)
+      return spmd.accumulate(cfg, _accumulate, state, call, eager)
+    return _accumulate(cfg, state, *call)
 
   f.accumulate = accumulate
   return f
