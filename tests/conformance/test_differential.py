@@ -64,10 +64,6 @@ TOL = {
 #: today's main; each has an xfail(strict=True) regression test below. Empty
 #: this set as the fixes land.
 KNOWN_BROKEN: set[tuple[str, str]] = {
-  ("f.accumulate", "eager_axis_auto"),  # the eager program ignores the closure
-  ("f", "eager_axis_auto"),  # the eager program ignores the closure
-  ("f", "eager_explicit"),  # runs per replica without axis_name
-  ("f", "jit_explicit"),  # runs per replica without axis_name
   ("f", "float16 mean past range"),  # narrowed after validity: inf, valid
   ("wrapper", "float16 mean past range"),  # -inf updates, nonfinite=False
 }
@@ -796,11 +792,6 @@ def _shift_ref(shift):
 
 
 @pytest.mark.parametrize("mesh_kind", ["auto_axis_name", "explicit"])
-@pytest.mark.xfail(
-  strict=True,
-  reason="an eager call reuses the program compiled for the first call: "
-  "the changed closure is not seen (with axis_name; Explicit mesh without)",
-)
 def test_eager_call_sees_the_changed_closure(mesh_kind):
   mesh = mesh_of("explicit" if mesh_kind == "explicit" else "auto")
   axis = "data" if mesh_kind == "auto_axis_name" else None
@@ -814,11 +805,6 @@ def test_eager_call_sees_the_changed_closure(mesh_kind):
   assert got == [_shift_ref(0.0), _shift_ref(1.0)]  # today: [35.0, 35.0]
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="eager f.accumulate with axis_name reuses the program compiled "
-  "for the same window signature: the changed closure is not seen",
-)
 def test_eager_accumulate_sees_the_changed_closure():
   mesh = mesh_of("auto")
   f = wa.microbatched_value_and_grad(
@@ -835,11 +821,6 @@ def test_eager_accumulate_sees_the_changed_closure():
   assert got == pytest.approx(want)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="without axis_name, a batch typed over an Explicit data axis runs "
-  "loss_fn per replica (a centred loss is off)",
-)
 def test_without_axis_name_microbatches_are_the_global_batchs():
   mesh = mesh_of("explicit")
   rng = np.random.default_rng(0)
@@ -955,11 +936,6 @@ def test_each_replica_and_microbatch_draws_its_own_key_under_jit():
   assert len(set(_draws("jit_axis_auto").ravel().tolist())) == K * R
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="inside shard_map, keys are folded per microbatch only: every "
-  "replica draws the same masks",
-)
 def test_each_replica_and_microbatch_draws_its_own_key_in_shard_map():
   assert len(set(_draws("shard_map").ravel().tolist())) == K * R
 
@@ -983,11 +959,6 @@ def test_apply_window_reads_a_sums_result_as_sums():
   np.testing.assert_allclose(new["w"], [-1.0, -2.0])  # -(sums / 4) / 2
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="f without axis_name inside shard_map dies in a raw JAX type "
-  "error instead of naming axis_name",
-)
 def test_without_axis_name_inside_shard_map_is_refused_by_name():
   mesh = mesh_of("auto")
   f = wa.microbatched_value_and_grad(_shift_loss, K, mode="sum")
