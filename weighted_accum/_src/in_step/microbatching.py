@@ -198,9 +198,14 @@ def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
     tree_utils.to_varying(aux, axes),
     threaded,
   )
-  upper = call.k if n_real is None else n_real
   body = _body(cfg, call, groups, norms, scale)
-  return jax.lax.fori_loop(0, upper, body, carry)
+  if n_real is None:
+    return jax.lax.fori_loop(0, call.k, body, carry)
+  # Under a cond: at K = 1 the body does not depend on the index, and XLA
+  # would hoist it out of the loop, run it at a count of 0 and keep its
+  # temporaries live beside the rest of the program's.
+  loop = lambda c: jax.lax.fori_loop(0, n_real, body, c)
+  return jax.lax.cond(n_real > 0, loop, lambda c: c, carry)
 
 
 # ------------------------------------------------------------ the public --
