@@ -46,10 +46,14 @@ class _Planned:
 
   def __init__(self, loss_fn, spec, kw, axes, batch_argnum, state_argnums):
     self.spec, self.axes, self.pos = spec, axes, batch_argnum
-    self.dtype = kw["dtype"]
-    self.state_argnums = tuple(state_argnums)
-    self.has_aux = kw["has_aux"]
-    self.key_argnums = kw["key_argnums"]
+    self.dtype, self.has_aux = kw["dtype"], kw["has_aux"]
+    self.roles = margs.configure(
+      _WHAT, num_microbatches=1, microbatch_size=None,
+      argnums=kw["argnums"], batch_argnums=batch_argnum, batch_argnames=(),
+      in_axes=0, state_argnums=state_argnums,
+      key_argnums=kw["key_argnums"], split="contiguous",
+    )  # fmt: skip
+    self.state_argnums = self.roles.state_argnums
     self.inner = [
       microbatched_value_and_grad(
         loss_fn, cap, batch_argnums=batch_argnum, split="contiguous",
@@ -57,12 +61,6 @@ class _Planned:
       )
       for cap in spec.capacities
     ]  # fmt: skip
-    self.roles = margs.configure(
-      _WHAT, num_microbatches=1, microbatch_size=None,
-      argnums=kw["argnums"], batch_argnums=batch_argnum, batch_argnames=(),
-      in_axes=0, state_argnums=state_argnums,
-      key_argnums=kw["key_argnums"], split="contiguous",
-    )  # fmt: skip
 
   def params(self, args: tuple) -> Any:
     """The differentiated values, shaped as the window holds them."""
@@ -74,7 +72,7 @@ class _Planned:
   def _shape_args(self, args: tuple, s: int) -> list:
     a = list(args)
     a[self.pos] = args[self.pos].shapes[s]
-    for n in self.key_argnums:  # each shape's slots draw their own keys
+    for n in self.roles.key_argnums:  # each shape's slots draw their own keys
       a[n] = jax.tree.map(lambda k: jax.random.fold_in(k, s), a[n])
     return a
 
@@ -96,7 +94,7 @@ class _Planned:
       )
       if self.state_argnums:
         out, new = out
-        new = new if len(self.state_argnums) > 1 else (new,)
+        new = (new,) if self.roles.single_state else new
         for n_arg, v in zip(self.state_argnums, new):
           args[n_arg] = v
       value, state = out
@@ -111,7 +109,7 @@ class _Planned:
     res = ((loss, aux), out) if self.has_aux else (loss, out)
     if not self.state_argnums:
       return res
-    return res, threaded[0] if len(threaded) == 1 else threaded
+    return res, threaded[0] if self.roles.single_state else threaded
 
   def step(self, args: tuple, loss_scale: Any) -> Any:
     """``f`` where the data axes (if any) are bound: one window, closed."""
