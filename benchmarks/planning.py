@@ -10,7 +10,9 @@ lognormal (median 60, sigma 1, clipped to [8, 512]) and the real-text
 corpus's documents (``examples/stdlib_lm``, truncated to 512). Per
 distribution, one run: paired time per batch, real tokens/s, padded / real
 tokens, plan + pack time, executables compiled over 50 batches and XLA's
-compiled memory (arguments + outputs + temporaries) of both steps.
+compiled memory (arguments + outputs + temporaries) of both steps. Each
+step is compiled once, for the first batch, and that executable runs every
+batch: the 50 batches share one signature (what `jax.jit` compiles for).
 """
 
 from __future__ import annotations
@@ -94,14 +96,20 @@ def _batch(lengths, top, rng):
   return dict(tokens=tokens * (mask > 0), targets=targets * (mask > 0)), mask
 
 
-def _memory(compiled) -> int:
-  m = compiled.memory_analysis()
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes + m.temp_size_in_bytes)  # fmt: skip
+def _compiled(cache, key, fn, *args):
+  """``fn`` compiled once for ``args``' signature (shared by the runs) and
+  its compiled bytes: arguments + outputs + temporaries, temporaries."""
+  if key not in cache:
+    exe = fn.lower(*args).compile()
+    m = exe.memory_analysis()
+    peak = (m.argument_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes + m.temp_size_in_bytes)  # fmt: skip
+    cache[key] = exe, int(peak), int(m.temp_size_in_bytes)
+  return cache[key]
 
 
-def _distribution(c, name, draw, cfg) -> dict:
-  rng = np.random.default_rng(0)
+def _steps(c):
+  """The spec and both jitted steps (shared by the distributions)."""
   spec = planning.PlanSpec(
     buckets=[b for b in (32, 64, 128, 256, 512) if b <= c["top"]] or [c["top"]],
     budget=c["budget"], batch_rows=c["rows"],
@@ -110,6 +118,12 @@ def _distribution(c, name, draw, cfg) -> dict:
   padded, planned = _loss_fn(c["heads"])
   base = jax.jit(wa.microbatched_value_and_grad(padded, 8, mode="sum"))
   step = jax.jit(planning.planned_value_and_grad(planned, spec, mode="sum"))
+  return spec, base, step, {}
+
+
+def _distribution(c, name, draw, cfg, steps) -> dict:
+  rng = np.random.default_rng(0)
+  spec, base, step, cache = steps
   params = _params(c)
   batches, plan_ms = [], []
   for _ in range(50):  # 50 batches: plan + pack time, compiles
@@ -122,8 +136,8 @@ def _distribution(c, name, draw, cfg) -> dict:
   avals = {jax.tree.structure(b[2]) for b in batches}
   shapes = {tuple((x.shape, x.dtype) for x in jax.tree.leaves(b[2])) for b in batches}
   b0 = batches[0]
-  mem_base = _memory(base.lower(params, b0[1]).compile())
-  mem_plan = _memory(step.lower(params, b0[2]).compile())
+  base, mem_base, tmp_base = _compiled(cache, "padded", base, params, b0[1])
+  step, mem_plan, tmp_plan = _compiled(cache, "planned", step, params, b0[2])
   runs = cfg.runs or c["runs"]
   times = {"padded": [], "planned": []}
   for i in range(runs + 1):  # paired: the same batch, both steps
@@ -131,7 +145,7 @@ def _distribution(c, name, draw, cfg) -> dict:
     for key, fn, arg in (("padded", base, rows), ("planned", step, packed)):
       t0 = time.perf_counter()
       jax.block_until_ready(fn(params, arg))
-      if i:  # the first round compiles
+      if i:  # the first round warms up
         times[key].append((time.perf_counter() - t0) / lengths.sum())
   used = [sum(r * l * n for (r, l), n in zip(spec.shapes, b[2].counts[0]))
           for b in batches]  # fmt: skip
@@ -147,17 +161,18 @@ def _distribution(c, name, draw, cfg) -> dict:
     plan_pack_ms=float(np.median(plan_ms)),
     plan_pack_ms_p95=float(np.percentile(plan_ms, 95)),
     distinct_signatures=len(avals) * len(shapes),
-    compiles=int(step._cache_size()),  # pylint: disable=protected-access
     memory_ratio=mem_plan / mem_base,
-    memory_bytes=dict(planned=mem_plan, padded=mem_base),
+    temp_ratio=tmp_plan / tmp_base,
+    memory_bytes=dict(planned=mem_plan, padded=mem_base, planned_temp=tmp_plan, padded_temp=tmp_base),
     shapes=len(spec.shapes),
   )
 
 
 def run(cfg: h.Settings) -> dict:
   c = SIZES["smoke" if cfg.smoke else "default"]
-  rows = [_distribution(c, "lognormal", _lognormal, cfg),
-          _distribution(c, "real text", _real_text, cfg)]  # fmt: skip
+  steps = _steps(c)
+  rows = [_distribution(c, "lognormal", _lognormal, cfg, steps),
+          _distribution(c, "real text", _real_text, cfg, steps)]  # fmt: skip
   lo, text = rows
   targets = [
     h.target("padded / planned time per real token", 1 / lo["tokens_per_s_ratio"], 1 / 3, where="lognormal", note=f"{lo['tokens_per_s_ratio']:.2f}x tokens/s"),
@@ -167,7 +182,7 @@ def run(cfg: h.Settings) -> dict:
   for r in rows:
     where = r["distribution"]
     targets += [
-      h.target("compiled memory, planned / padded", r["memory_ratio"], 1.02, where=where),
+      h.target("compiled memory, planned / padded", r["memory_ratio"], 1.02, where=where, note=f"temporaries {r['temp_ratio']:.3f}"),
       h.target("signatures over 50 batches", r["distinct_signatures"], 1, where=where),
       h.target("plan + pack ms per batch (median)", r["plan_pack_ms"], 1.0, where=where),
     ]

@@ -8,6 +8,7 @@ restores the same plans. Run: ``python examples/planned_pipeline.py``.
 
 from __future__ import annotations
 
+from absl import flags
 import grain
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,9 @@ def pipeline(num_rows: int = 512, workers: int = 0) -> grain.IterDataset:
   ds = grain.MapDataset.range(num_rows).shuffle(seed=0).map(row)
   ds = ds.batch(ROWS, drop_remainder=True).map(planning.PlanBatches(SPEC))
   it = ds.to_iter_dataset()
-  if workers:
+  if workers:  # Grain's workers read absl flags: parsed, or their defaults
+    if not flags.FLAGS.is_parsed():
+      flags.FLAGS.mark_as_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
   return it
 
