@@ -33,7 +33,9 @@ from weighted_accum import planning
 TITLE = "Microbatch plans vs padding to the longest row"
 SIZES = {
   "smoke": dict(dim=16, layers=1, heads=2, rows=16, top=64, budget=256, runs=2),
-  "default": dict(dim=128, layers=2, heads=4, rows=64, top=512, budget=4096, runs=5),
+  "default": dict(
+    dim=128, layers=2, heads=4, rows=64, top=512, budget=4096, runs=5
+  ),
 }
 VOCAB = 257
 
@@ -42,9 +44,15 @@ def _params(c, seed=0):
   rng = np.random.default_rng(seed)
   d, f = c["dim"], 4 * c["dim"]
   norm = lambda *s: jnp.asarray(rng.normal(size=s) * 0.02, jnp.float32)
-  layer = lambda: dict(qkv=norm(d, 3 * d), o=norm(d, d), up=norm(d, f), down=norm(f, d))
-  return dict(emb=norm(VOCAB, d), pos=norm(c["top"], d), out=norm(d, VOCAB),
-              layers=[layer() for _ in range(c["layers"])])  # fmt: skip
+  layer = lambda: dict(
+    qkv=norm(d, 3 * d), o=norm(d, d), up=norm(d, f), down=norm(f, d)
+  )
+  return dict(
+    emb=norm(VOCAB, d),
+    pos=norm(c["top"], d),
+    out=norm(d, VOCAB),
+    layers=[layer() for _ in range(c["layers"])],
+  )
 
 
 def _loss_fn(heads):
@@ -77,13 +85,20 @@ def _lognormal(c, rng):
   return np.clip(n, 8 * c["top"] // 512, c["top"]).astype(np.int64)
 
 
-def _real_text(c, rng, _cache={}):
+_DOCS: dict = {}  # the corpus's document lengths, read once
+
+
+def _real_text(c, rng):
+  _cache = _DOCS
   if "docs" not in _cache:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from stdlib_lm import data  # pylint: disable=g-import-not-at-top
 
-    lengths = [len(data.encode(d)) - 1 for _, t in data.stdlib_sources()
-               for d in data.split_documents(t)]  # fmt: skip
+    lengths = [
+      len(data.encode(d)) - 1
+      for _, t in data.stdlib_sources()
+      for d in data.split_documents(t)
+    ]
     _cache["docs"] = np.asarray(lengths, np.int64)
   docs = _cache["docs"]
   return np.clip(rng.choice(docs, c["rows"]), 1, c["top"])
@@ -102,8 +117,12 @@ def _compiled(cache, key, fn, *args):
   if key not in cache:
     exe = fn.lower(*args).compile()
     m = exe.memory_analysis()
-    peak = (m.argument_size_in_bytes + m.output_size_in_bytes
-            - m.alias_size_in_bytes + m.temp_size_in_bytes)  # fmt: skip
+    peak = (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+      + m.temp_size_in_bytes
+    )
     cache[key] = exe, int(peak), int(m.temp_size_in_bytes)
   return cache[key]
 
@@ -112,9 +131,10 @@ def _steps(c):
   """The spec and both jitted steps (shared by the distributions)."""
   spec = planning.PlanSpec(
     buckets=[b for b in (32, 64, 128, 256, 512) if b <= c["top"]] or [c["top"]],
-    budget=c["budget"], batch_rows=c["rows"],
+    budget=c["budget"],
+    batch_rows=c["rows"],
     cost=(1.0, 1.0 / (6 * c["dim"])),
-  )  # fmt: skip
+  )
   padded, planned = _loss_fn(c["heads"])
   base = jax.jit(wa.microbatched_value_and_grad(padded, 8, mode="sum"))
   step = jax.jit(planning.planned_value_and_grad(planned, spec, mode="sum"))
@@ -134,7 +154,9 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
     plan_ms.append((time.perf_counter() - t0) * 1e3)
     batches.append((lengths, dict(rows, mask=mask), packed))
   avals = {jax.tree.structure(b[2]) for b in batches}
-  shapes = {tuple((x.shape, x.dtype) for x in jax.tree.leaves(b[2])) for b in batches}
+  shapes = {
+    tuple((x.shape, x.dtype) for x in jax.tree.leaves(b[2])) for b in batches
+  }
   b0 = batches[0]
   base, mem_base, tmp_base = _compiled(cache, "padded", base, params, b0[1])
   step, mem_plan, tmp_plan = _compiled(cache, "planned", step, params, b0[2])
@@ -147,8 +169,10 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
       jax.block_until_ready(fn(params, arg))
       if i:  # the first round warms up
         times[key].append((time.perf_counter() - t0) / lengths.sum())
-  used = [sum(r * l * n for (r, l), n in zip(spec.shapes, b[2].counts[0]))
-          for b in batches]  # fmt: skip
+  used = [
+    sum(r * l * n for (r, l), n in zip(spec.shapes, b[2].counts[0]))
+    for b in batches
+  ]
   real = [int(b[0].sum()) for b in batches]
   ratio = np.median(np.array(times["padded"]) / np.array(times["planned"]))
   return dict(
@@ -157,13 +181,20 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
     planned_tokens_per_s=float(1 / np.median(times["planned"])),
     padded_tokens_per_s=float(1 / np.median(times["padded"])),
     padded_over_real=float(np.sum(used) / np.sum(real)),
-    baseline_padded_over_real=float(c["rows"] * c["top"] * len(real) / np.sum(real)),
+    baseline_padded_over_real=float(
+      c["rows"] * c["top"] * len(real) / np.sum(real)
+    ),
     plan_pack_ms=float(np.median(plan_ms)),
     plan_pack_ms_p95=float(np.percentile(plan_ms, 95)),
     distinct_signatures=len(avals) * len(shapes),
     memory_ratio=mem_plan / mem_base,
     temp_ratio=tmp_plan / tmp_base,
-    memory_bytes=dict(planned=mem_plan, padded=mem_base, planned_temp=tmp_plan, padded_temp=tmp_base),
+    memory_bytes=dict(
+      planned=mem_plan,
+      padded=mem_base,
+      planned_temp=tmp_plan,
+      padded_temp=tmp_base,
+    ),
     shapes=len(spec.shapes),
   )
 
@@ -171,35 +202,83 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
 def run(cfg: h.Settings) -> dict:
   c = SIZES["smoke" if cfg.smoke else "default"]
   steps = _steps(c)
-  rows = [_distribution(c, "lognormal", _lognormal, cfg, steps),
-          _distribution(c, "real text", _real_text, cfg, steps)]  # fmt: skip
+  rows = [
+    _distribution(c, "lognormal", _lognormal, cfg, steps),
+    _distribution(c, "real text", _real_text, cfg, steps),
+  ]
   lo, text = rows
   targets = [
-    h.target("padded / planned time per real token", 1 / lo["tokens_per_s_ratio"], 1 / 3, where="lognormal", note=f"{lo['tokens_per_s_ratio']:.2f}x tokens/s"),
-    h.target("planned padded / real tokens", lo["padded_over_real"], 1.6, where="lognormal"),
-    h.target("padded / planned time per real token", 1 / text["tokens_per_s_ratio"], 1 / 1.15, where="real text", note=f"{text['tokens_per_s_ratio']:.2f}x tokens/s"),
-  ]  # fmt: skip
+    h.target(
+      "padded / planned time per real token",
+      1 / lo["tokens_per_s_ratio"],
+      1 / 3,
+      where="lognormal",
+      note=f"{lo['tokens_per_s_ratio']:.2f}x tokens/s",
+    ),
+    h.target(
+      "planned padded / real tokens",
+      lo["padded_over_real"],
+      1.6,
+      where="lognormal",
+    ),
+    h.target(
+      "padded / planned time per real token",
+      1 / text["tokens_per_s_ratio"],
+      1 / 1.15,
+      where="real text",
+      note=f"{text['tokens_per_s_ratio']:.2f}x tokens/s",
+    ),
+  ]
   for r in rows:
     where = r["distribution"]
     targets += [
-      h.target("compiled memory, planned / padded", r["memory_ratio"], 1.02, where=where, note=f"temporaries {r['temp_ratio']:.3f}"),
-      h.target("signatures over 50 batches", r["distinct_signatures"], 1, where=where),
-      h.target("plan + pack ms per batch (median)", r["plan_pack_ms"], 1.0, where=where),
+      h.target(
+        "compiled memory, planned / padded",
+        r["memory_ratio"],
+        1.02,
+        where=where,
+        note=f"temporaries {r['temp_ratio']:.3f}",
+      ),
+      h.target(
+        "signatures over 50 batches", r["distinct_signatures"], 1, where=where
+      ),
+      h.target(
+        "plan + pack ms per batch (median)", r["plan_pack_ms"], 1.0, where=where
+      ),
     ]
   return dict(config=c, rows=rows, targets=targets)
 
 
 def markdown(result: dict) -> list[str]:
-  head = ["lengths", "tokens/s planned / padded", "planned tok/s", "padded tok/s",
-          "padded/real planned", "padded/real padded", "plan+pack ms", "memory planned / padded"]  # fmt: skip
-  rows = [[r["distribution"], f"{r['tokens_per_s_ratio']:.2f}x", f"{r['planned_tokens_per_s']:.0f}",
-           f"{r['padded_tokens_per_s']:.0f}", f"{r['padded_over_real']:.2f}",
-           f"{r['baseline_padded_over_real']:.2f}", f"{r['plan_pack_ms']:.2f}",
-           f"{r['memory_ratio']:.3f}"] for r in result["rows"]]  # fmt: skip
+  head = [
+    "lengths",
+    "tokens/s planned / padded",
+    "planned tok/s",
+    "padded tok/s",
+    "padded/real planned",
+    "padded/real padded",
+    "plan+pack ms",
+    "memory planned / padded",
+  ]
+  rows = [
+    [
+      r["distribution"],
+      f"{r['tokens_per_s_ratio']:.2f}x",
+      f"{r['planned_tokens_per_s']:.0f}",
+      f"{r['padded_tokens_per_s']:.0f}",
+      f"{r['padded_over_real']:.2f}",
+      f"{r['baseline_padded_over_real']:.2f}",
+      f"{r['plan_pack_ms']:.2f}",
+      f"{r['memory_ratio']:.3f}",
+    ]
+    for r in result["rows"]
+  ]
   return ["## Results", ""] + report.table(head, rows, "lrrrrrrr") + [""]
 
 
 def figure(result: dict, path) -> bool:
-  bars = [(r["distribution"], "tokens/s, planned / padded", r["tokens_per_s_ratio"])
-          for r in result["rows"]]  # fmt: skip
+  bars = [
+    (r["distribution"], "tokens/s, planned / padded", r["tokens_per_s_ratio"])
+    for r in result["rows"]
+  ]
   return report.bar_figure(path, TITLE, bars, "ratio to padding (K = 8)")

@@ -56,7 +56,9 @@ def main() -> None:
     loss, out = step(w, packed)
     w = w - 0.5 * out.grads
     if i % 2 == 0:
-      print(f"batch {i}: loss {float(loss):.4f}, tokens {float(out.weight):.0f}")
+      print(
+        f"batch {i}: loss {float(loss):.4f}, tokens {float(out.weight):.0f}"
+      )
   print("compiles:", step._cache_size())  # pylint: disable=protected-access
 
 

@@ -19,9 +19,13 @@ def cases(draw):
                           max_size=4, unique=True))  # fmt: skip
   top = max(buckets)
   overlong = draw(st.sampled_from(pl_overlong()))
-  longest = top * (3 if overlong == "split" else 1 if overlong == "refuse" else 2)
+  longest = top * (
+    3 if overlong == "split" else 1 if overlong == "refuse" else 2
+  )
   lengths = draw(st.lists(st.integers(0, longest), min_size=0, max_size=40))
-  pieces = sum(-(-n // top) for n in lengths) if overlong == "split" else len(lengths)
+  pieces = (
+    sum(-(-n // top) for n in lengths) if overlong == "split" else len(lengths)
+  )
   spec = planning.PlanSpec(
     buckets=buckets,
     budget=draw(st.integers(top, 4 * top)),
@@ -55,7 +59,7 @@ def test_every_token_lands_once_in_a_shape_that_fits(case):
     want = min(n, top) if spec.overlong != "split" else n
     assert covered[:want].tolist() == [1] * want and covered[want:].sum() == 0
   slots = set()
-  for row, start, k, r, s, slot, pos in p.tolist():
+  for _, _, k, r, s, slot, pos in p.tolist():
     rows, length = shapes[s]
     assert 1 <= k <= length and rows * length <= spec.budget
     assert pos < rows and slot < plan.counts[r, s] <= spec.capacities[s]
@@ -65,7 +69,9 @@ def test_every_token_lands_once_in_a_shape_that_fits(case):
   for r in range(spec.replicas):
     used = {(s, slot) for (rr, s, slot, _) in slots if rr == r}
     assert len(used) == plan.counts[r].sum()
-    cost = sum(spec.shape_cost(*shapes[s]) * c for s, c in enumerate(plan.counts[r]))
+    cost = sum(
+      spec.shape_cost(*shapes[s]) * c for s, c in enumerate(plan.counts[r])
+    )
     assert np.isclose(plan.costs[r], cost)
 
 

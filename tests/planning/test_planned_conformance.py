@@ -10,12 +10,11 @@ split row's pieces as rows of their own, as documented).
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
-import weighted_accum as wa
 from weighted_accum import planning
 
 V, D = 11, 6
@@ -24,7 +23,9 @@ V, D = 11, 6
 def _params(dtype):
   rng = np.random.default_rng(1)
   shapes = {"emb": (V, D), "w": (D, D), "out": (D, V)}
-  return {k: jnp.asarray(rng.normal(size=s) / 2, dtype) for k, s in shapes.items()}
+  return {
+    k: jnp.asarray(rng.normal(size=s) / 2, dtype) for k, s in shapes.items()
+  }
 
 
 def _token_losses(p, tokens, targets):
@@ -60,20 +61,26 @@ def _reference(params, batch, packed):
     for row, start, n in pieces[:, :3]:
       sl = slice(start, start + n)
       tl = _token_losses(
-        p, batch["tokens"][row : row + 1, sl], batch["targets"][row : row + 1, sl]
+        p,
+        batch["tokens"][row : row + 1, sl],
+        batch["targets"][row : row + 1, sl],
       )
       s = s + tl.sum()
     return s / pieces[:, 2].sum()
 
   with jax.enable_x64(True):
-    p64 = jax.tree.map(lambda x: jnp.asarray(np.asarray(x), jnp.float64), params)
+    p64 = jax.tree.map(
+      lambda x: jnp.asarray(np.asarray(x), jnp.float64), params
+    )
     loss, grads = jax.value_and_grad(total)(p64)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
 def _rel(got, ref):
-  num = sum(np.sum((np.asarray(g, np.float64) - r) ** 2) for g, r in zip(
-    jax.tree.leaves(got), jax.tree.leaves(ref)))
+  num = sum(
+    np.sum((np.asarray(g, np.float64) - r) ** 2)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref))
+  )
   den = sum(np.sum(r**2) for r in jax.tree.leaves(ref))
   return float(np.sqrt(num / den))
 
@@ -81,7 +88,9 @@ def _rel(got, ref):
 PLANS = {
   "buckets": dict(buckets=(4, 8, 16), budget=32, row_divisors=(1, 2)),
   "one_shape": dict(buckets=(16,), budget=16, row_divisors=(1,)),
-  "split": dict(buckets=(4, 8), budget=16, row_divisors=(1, 4), overlong="split"),
+  "split": dict(
+    buckets=(4, 8), budget=16, row_divisors=(1, 4), overlong="split"
+  ),
 }
 LENGTHS = [13, 1, 7, 16, 3, 0, 9, 4, 11, 2, 5, 8]
 
@@ -121,7 +130,9 @@ def test_float32_gradient_is_the_full_batch_gradient(plan, style):
   (loss, out), (ref_loss, ref) = _run(style, PLANS[plan], jnp.float32)
   assert _rel(out.grads, ref) <= 2e-6
   assert abs(float(loss) - ref_loss) <= 2e-6 * abs(ref_loss)
-  assert float(out.weight) == sum(min(n, 16) for n in LENGTHS) or plan == "split"
+  assert (
+    float(out.weight) == sum(min(n, 16) for n in LENGTHS) or plan == "split"
+  )
   assert bool(out.valid)
 
 

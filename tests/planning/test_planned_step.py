@@ -7,12 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_planned_conformance import _batch
+from test_planned_conformance import _loss_fn
+from test_planned_conformance import _params
+from test_planned_conformance import _reference
+from test_planned_conformance import _rel
+from test_planned_conformance import _token_losses
 
 import weighted_accum as wa
 from weighted_accum import planning
-
-from test_planned_conformance import _batch, _loss_fn, _params, _reference, _rel
-from test_planned_conformance import _token_losses
 
 SMALL = dict(buckets=(8, 16), budget=16, row_divisors=(1,), batch_rows=12)
 
@@ -62,7 +65,9 @@ def test_aux_state_keys_and_loss_scale_thread_through_every_shape():
   assert len(aux) == len(spec.shapes)
   tokens = sum(float(a["tokens"].sum()) for a in aux)
   assert tokens == sum(lengths)
-  noise = np.concatenate([a["noise"][: c] for a, c in zip(aux, packed.counts[0])])
+  noise = np.concatenate(
+    [a["noise"][:c] for a, c in zip(aux, packed.counts[0])]
+  )
   assert len(set(noise.tolist())) == len(noise)  # a key per (shape, slot)
 
 
@@ -78,7 +83,7 @@ def test_accumulate_spans_batches_in_one_window():
     packed = planning.plan_batch(spec, batch, lengths, seed=seed)
     (_, w), state = jax.jit(f.accumulate)(state, params, packed)
     ref = _reference(params, batch, packed)[1]
-    grads.append(jax.tree.map(lambda g: g * float(w), ref))
+    grads.append(jax.tree.map(lambda g, w=float(w): g * w, ref))
     weight += float(w)
   out, _ = wa.finish_mean(state)
   both = jax.tree.map(lambda a, b: (a + b) / weight, *grads)
@@ -89,7 +94,9 @@ def test_accumulate_spans_batches_in_one_window():
 
 
 def test_a_budget_below_one_row_names_the_smallest_that_works():
-  with pytest.raises(wa.WeightedAccumulationError, match="smallest budget that works is 512"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match="smallest budget that works is 512"
+  ):
     planning.PlanSpec(buckets=(32, 512), budget=256, batch_rows=8)
   for bad in [dict(buckets=()), dict(buckets=(0, 8)), dict(overlong="drop"),
               dict(row_divisors=(1.5,)), dict(cost=(1.0,))]:  # fmt: skip
@@ -102,7 +109,9 @@ def test_bad_batches_are_refused_and_nothing_changes():
   lengths = [3, 20, 5]
   batch = _batch(lengths)
   before = jax.tree.map(np.copy, batch)
-  with pytest.raises(wa.WeightedAccumulationError, match="row 1 has 20 tokens.*16"):
+  with pytest.raises(
+    wa.WeightedAccumulationError, match="row 1 has 20 tokens.*16"
+  ):
     planning.plan_batch(spec, batch, lengths)
   with pytest.raises(wa.WeightedAccumulationError, match=r"batch\['targets'\]"):
     planning.plan_batch(spec, batch, [3, 5])  # lengths do not match
@@ -126,4 +135,6 @@ def test_a_batch_planned_for_another_spec_is_refused():
   with pytest.raises(wa.WeightedAccumulationError, match="not a batch"):
     f(_params(jnp.float32), _batch([4, 5]))
   with pytest.raises(wa.WeightedAccumulationError, match="replicas"):
-    planning.planned_value_and_grad(_loss_fn, spec, mode="sum", axis_name="data")
+    planning.planned_value_and_grad(
+      _loss_fn, spec, mode="sum", axis_name="data"
+    )

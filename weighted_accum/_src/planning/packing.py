@@ -10,8 +10,13 @@ import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.planning import planner
-from weighted_accum._src.planning.planner import LENGTH, POS, REPLICA
-from weighted_accum._src.planning.planner import ROW, SHAPE, SLOT, START
+from weighted_accum._src.planning.planner import LENGTH
+from weighted_accum._src.planning.planner import POS
+from weighted_accum._src.planning.planner import REPLICA
+from weighted_accum._src.planning.planner import ROW
+from weighted_accum._src.planning.planner import SHAPE
+from weighted_accum._src.planning.planner import SLOT
+from weighted_accum._src.planning.planner import START
 from weighted_accum._src.planning.spec import PlanSpec
 
 

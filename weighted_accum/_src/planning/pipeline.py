@@ -38,7 +38,9 @@ class PlanBatches:
 
   def __init__(self, spec: PlanSpec, lengths: str = "lengths", seed: int = 0):
     if not isinstance(spec, PlanSpec):
-      raise WeightedAccumulationError(f"PlanBatches(spec={spec!r}): pass a PlanSpec.")
+      raise WeightedAccumulationError(
+        f"PlanBatches(spec={spec!r}): pass a PlanSpec."
+      )
     self.spec, self.lengths, self.seed = spec, lengths, int(seed)
 
   def __call__(self, batch: Any) -> Packed:

@@ -97,7 +97,9 @@ class PlanSpec:
     out = []
     for length in self.buckets:
       full = self.budget // length
-      rows = sorted({max(1, full // d) for d in self.row_divisors}, reverse=True)
+      rows = sorted(
+        {max(1, full // d) for d in self.row_divisors}, reverse=True
+      )
       out += [(r, length) for r in rows]
     return tuple(out)
 

@@ -80,7 +80,10 @@ class _Planned:
     """Every shape's filled slots into ``state``: ``(loss sum, weight,
     aux per shape, new state)``."""
     counts = args[self.pos].counts  # [1, shapes]: this replica's
-    if self.axes is not None and jax.lax.axis_size(self.axes) != self.spec.replicas:
+    if (
+      self.axes is not None
+      and jax.lax.axis_size(self.axes) != self.spec.replicas
+    ):
       n = jax.lax.axis_size(self.axes)
       raise WeightedAccumulationError(
         f"{_WHAT}: the batch was planned for {self.spec.replicas} replicas, "
@@ -212,9 +215,7 @@ def planned_value_and_grad(
     (4.0, 4.0, 14.0)
   """
   if not isinstance(spec, PlanSpec):
-    raise WeightedAccumulationError(
-      f"{_WHAT}(spec={spec!r}): pass a PlanSpec."
-    )
+    raise WeightedAccumulationError(f"{_WHAT}(spec={spec!r}): pass a PlanSpec.")
   axes = validation.optional_axis_names(axis_name, what=f"{_WHAT}(axis_name)")
   kw = dict(mode=mode, has_aux=has_aux, argnums=argnums,
             key_argnums=key_argnums, dtype=dtype)  # fmt: skip
@@ -228,8 +229,8 @@ def planned_value_and_grad(
 
 
 def _functions(planned: _Planned, loss_scale: Any) -> Callable[..., Any]:
-  unbound = lambda: planned.axes is not None and not replicas.bound(
-    planned.axes
+  unbound = lambda: (
+    planned.axes is not None and not replicas.bound(planned.axes)
   )
 
   def f(*args, loss_scale=loss_scale):
