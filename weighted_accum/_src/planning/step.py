@@ -14,12 +14,12 @@ from jax.sharding import PartitionSpec as P
 from weighted_accum._src import validation
 from weighted_accum._src.core import finishing
 from weighted_accum._src.core import functional
+from weighted_accum._src.core import tree_utils
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad,
 )
-from weighted_accum._src.parallel import replicas
 from weighted_accum._src.planning.packing import Packed
 from weighted_accum._src.planning.spec import PlanSpec
 
@@ -230,7 +230,7 @@ def planned_value_and_grad(
 
 def _functions(planned: _Planned, loss_scale: Any) -> Callable[..., Any]:
   unbound = lambda: (
-    planned.axes is not None and not replicas.bound(planned.axes)
+    planned.axes is not None and not tree_utils.bound(planned.axes)
   )
 
   def f(*args, loss_scale=loss_scale):
