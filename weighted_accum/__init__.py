@@ -7,8 +7,7 @@ the full-batch gradient whatever the split.
 
 The public surface (version 1.0, frozen: later changes go through
 deprecation): this namespace, :mod:`weighted_accum.distributed` (data
-parallelism), :mod:`weighted_accum.checkpoint` (Orbax) and
-:mod:`weighted_accum.planning` (microbatch plans).
+parallelism), :mod:`weighted_accum.checkpoint` (Orbax), :mod:`.planning`.
 """
 
 from importlib import metadata as _metadata

@@ -144,11 +144,11 @@ def test_a_test_folder_per_source_subpackage():
 
 
 def test_library_lines_outside_planning():
-  planning = PKG / "_src" / "planning"
+  planning = PKG / "_src" / "planning"  # and its namespace, planning.py
   n = sum(
     len(p.read_text().splitlines())
     for p in MODULES
-    if planning not in p.parents
+    if planning not in p.parents and p != PKG / "planning.py"
   )
   assert n <= LINE_CEILING, n
 

@@ -188,22 +188,15 @@ def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
   carry (windows, per-term float32 loss sums and weights of the microbatches
   taken, stacked aux, threaded states)."""
   axes = cfg.axis_name or ()
-  scale = states[0].loss_scale
   aux = jax.tree.map(lambda s: jnp.zeros((call.k,) + s.shape, s.dtype), ev.aux)
   zero = jnp.zeros((), _F32)
-  sums = {t: (zero, zero) for t in ev.terms}
-  carry = _Carry(
-    tuple(states),
-    tree_utils.to_varying(sums, axes),
-    tree_utils.to_varying(aux, axes),
-    threaded,
-  )
-  body = _body(cfg, call, groups, norms, scale)
+  sums = tree_utils.to_varying({t: (zero, zero) for t in ev.terms}, axes)
+  aux = tree_utils.to_varying(aux, axes)
+  carry = _Carry(tuple(states), sums, aux, threaded)
+  body = _body(cfg, call, groups, norms, states[0].loss_scale)
   if n_real is None:
     return jax.lax.fori_loop(0, call.k, body, carry)
-  # Under a cond: at K = 1 the body does not depend on the index, and XLA
-  # would hoist it out of the loop, run it at a count of 0 and keep its
-  # temporaries live beside the rest of the program's.
+  # A cond on the count: XLA hoists an index-free body (K = 1) out of loops.
   loop = lambda c: jax.lax.fori_loop(0, n_real, body, c)
   return jax.lax.cond(n_real > 0, loop, lambda c: c, carry)
 
