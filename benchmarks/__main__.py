@@ -18,6 +18,7 @@ FAMILIES = (
   "in-step",
   "end-to-end",
   "memory",
+  "planning",
 )
 # glibc settings that stop XLA:CPU's per-call temporaries from being mmapped
 # and page-faulted afresh on every call (see benchmarks/README.md).

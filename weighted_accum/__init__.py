@@ -7,13 +7,14 @@ the full-batch gradient whatever the split.
 
 The public surface (version 1.0, frozen: later changes go through
 deprecation): this namespace, :mod:`weighted_accum.distributed` (data
-parallelism) and :mod:`weighted_accum.checkpoint` (Orbax).
+parallelism), :mod:`weighted_accum.checkpoint` (Orbax), :mod:`.planning`.
 """
 
 from importlib import metadata as _metadata
 
 from weighted_accum import checkpoint
 from weighted_accum import distributed
+from weighted_accum import planning
 from weighted_accum._src import validation as _validation
 
 # Across jitted steps: the optax wrapper and flax's TrainState.
@@ -105,6 +106,7 @@ __all__ = (
   "microbatched_value_and_grad",
   "optax_accumulator",
   "peek_mean",
+  "planning",
   "set_loss_scale",
   "window_counters",
 )

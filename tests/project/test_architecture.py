@@ -29,9 +29,9 @@ LAYERS = {
   "in_step": 4,
   "across_steps": 4,
   "checkpointing": 4,
-  "planning": 4,
-  "demo": 5,  # python -m weighted_accum, a user of the public API
-  "": 5,  # the public namespaces: weighted_accum, .distributed, .checkpoint
+  "planning": 5,  # built on the in-step function
+  "demo": 6,  # python -m weighted_accum, a user of the public API
+  "": 6,  # the public namespaces: weighted_accum, .distributed, .checkpoint
 }
 #: Upward imports left (importer's subpackage, imported subpackage): the
 #: core <-> across_steps cycle (core/open_window reads the wrapper's state),
@@ -144,11 +144,11 @@ def test_a_test_folder_per_source_subpackage():
 
 
 def test_library_lines_outside_planning():
-  planning = PKG / "_src" / "planning"
+  planning = PKG / "_src" / "planning"  # and its namespace, planning.py
   n = sum(
     len(p.read_text().splitlines())
     for p in MODULES
-    if planning not in p.parents
+    if planning not in p.parents and p != PKG / "planning.py"
   )
   assert n <= LINE_CEILING, n
 
@@ -157,30 +157,33 @@ def test_public_names_are_one_hop_from_the_package():
   for name in wa.__all__:
     obj = getattr(wa, name)
     assert obj is not None, name
-  for ns in (wa.distributed, wa.checkpoint):
+  for ns in (wa.distributed, wa.checkpoint, wa.planning):
     for name in ns.__all__:
       assert getattr(ns, name) is not None
 
 
 def _public_objects():
-  """(namespace.name, object) of every public name of the three
-  namespaces (the two submodules themselves not counted)."""
+  """(namespace.name, object) of every public name of the four
+  namespaces (the three submodules themselves not counted)."""
   out = []
   for ns, label in (
     (wa, "weighted_accum"),
     (wa.distributed, "weighted_accum.distributed"),
     (wa.checkpoint, "weighted_accum.checkpoint"),
+    (wa.planning, "weighted_accum.planning"),
   ):
     for name in ns.__all__:
       obj = getattr(ns, name)
-      if obj not in (wa.distributed, wa.checkpoint):
+      if obj not in (wa.distributed, wa.checkpoint, wa.planning):
         out.append((f"{label}.{name}", obj))
   return out
 
 
 def test_public_surface_is_small_and_each_name_means_one_thing():
   objs = _public_objects()
-  assert len(objs) <= 32, [n for n, _ in objs]
+  planning = [n for n, _ in objs if n.startswith("weighted_accum.planning.")]
+  assert len(objs) - len(planning) <= 32, [n for n, _ in objs]
+  assert len(planning) <= 4, planning
   short = {}
   for full, _ in objs:
     name = full.rsplit(".", 1)[1]

@@ -184,16 +184,15 @@ def _loop(cfg, call, groups, norms, states, n_real, ev, threaded) -> _Carry:
   scale = states[0].loss_scale
   aux = jax.tree.map(lambda s: jnp.zeros((call.k,) + s.shape, s.dtype), ev.aux)
   zero = jnp.zeros((), _F32)
-  sums = {t: (zero, zero) for t in ev.terms}
-  carry = _Carry(
-    tuple(states),
-    tree_utils.to_varying(sums, axes),
-    tree_utils.to_varying(aux, axes),
-    threaded,
-  )
-  upper = call.k if n_real is None else n_real
+  sums = tree_utils.to_varying({t: (zero, zero) for t in ev.terms}, axes)
+  aux = tree_utils.to_varying(aux, axes)
+  carry = _Carry(tuple(states), sums, aux, threaded)
   body = _body(cfg, call, groups, norms, scale, axes)
-  return jax.lax.fori_loop(0, upper, body, carry)
+  if n_real is None:
+    return jax.lax.fori_loop(0, call.k, body, carry)
+  # A cond on the count: XLA hoists an index-free body (K = 1) out of loops.
+  loop = lambda c: jax.lax.fori_loop(0, n_real, body, c)
+  return jax.lax.cond(n_real > 0, loop, lambda c: c, carry)
 
 
 # ------------------------------------------------------------ the public --

@@ -1,0 +1,140 @@
+"""The planned step's options, its one compile over many batches, and bad
+input refused with a clear error (nothing changed)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_planned_conformance import _batch
+from test_planned_conformance import _loss_fn
+from test_planned_conformance import _params
+from test_planned_conformance import _reference
+from test_planned_conformance import _rel
+from test_planned_conformance import _token_losses
+
+import weighted_accum as wa
+from weighted_accum import planning
+
+SMALL = dict(buckets=(8, 16), budget=16, row_divisors=(1,), batch_rows=12)
+
+
+def _lengths(seed, n=12):
+  return np.random.default_rng(seed).integers(0, 17, n).tolist()
+
+
+def test_one_compile_serves_every_batch():
+  spec = planning.PlanSpec(**SMALL)
+  f = jax.jit(planning.planned_value_and_grad(_loss_fn, spec, mode="sum"))
+  params = _params(jnp.float32)
+  for seed in range(6):
+    lengths = _lengths(seed)
+    batch = _batch(lengths, seed)
+    packed = planning.plan_batch(spec, batch, lengths, seed=seed)
+    _, out = f(params, packed)
+    assert _rel(out.grads, _reference(params, batch, packed)[1]) <= 2e-6
+  assert f._cache_size() == 1  # pylint: disable=protected-access
+
+
+def _aux_state_key_loss(p, mb, count, key):
+  rows, mask = mb
+  tl = _token_losses(p, rows["tokens"], rows["targets"])
+  noise = jax.random.uniform(key, ())  # differs per slot: not differentiated
+  aux = {"tokens": mask.sum(), "noise": noise}
+  loss = jnp.sum(tl * mask) / mask.sum()  # mode="mean"
+  return ((loss, mask.sum()), aux), count + 1
+
+
+def test_aux_state_keys_and_loss_scale_thread_through_every_shape():
+  spec = planning.PlanSpec(**SMALL)
+  lengths = _lengths(7)
+  batch = _batch(lengths, 7)
+  packed = planning.plan_batch(spec, batch, lengths)
+  f = planning.planned_value_and_grad(
+    _aux_state_key_loss, spec, mode="mean", has_aux=True,
+    state_argnums=2, key_argnums=3, loss_scale=8.0,
+  )  # fmt: skip
+  params = _params(jnp.float32)
+  ((loss, aux), out), count = jax.jit(f)(
+    params, packed, jnp.int32(0), jax.random.key(0)
+  )
+  ref_loss, ref = _reference(params, batch, packed)
+  assert _rel(out.grads, ref) <= 2e-6 and abs(loss - ref_loss) <= 1e-5
+  assert int(count) == int(packed.counts.sum())  # one per real microbatch
+  assert len(aux) == len(spec.shapes)
+  tokens = sum(float(a["tokens"].sum()) for a in aux)
+  assert tokens == sum(lengths)
+  noise = np.concatenate(
+    [a["noise"][:c] for a, c in zip(aux, packed.counts[0])]
+  )
+  assert len(set(noise.tolist())) == len(noise)  # a key per (shape, slot)
+
+
+def test_accumulate_spans_batches_in_one_window():
+  spec = planning.PlanSpec(**SMALL)
+  f = planning.planned_value_and_grad(_loss_fn, spec, mode="sum")
+  params = _params(jnp.float32)
+  state = wa.init(params)
+  grads, weight = [], 0.0
+  for seed in (1, 2):
+    lengths = _lengths(seed)
+    batch = _batch(lengths, seed)
+    packed = planning.plan_batch(spec, batch, lengths, seed=seed)
+    (_, w), state = jax.jit(f.accumulate)(state, params, packed)
+    ref = _reference(params, batch, packed)[1]
+    grads.append(jax.tree.map(lambda g, w=float(w): g * w, ref))
+    weight += float(w)
+  out, _ = wa.finish_mean(state)
+  both = jax.tree.map(lambda a, b: (a + b) / weight, *grads)
+  assert _rel(out.grads, both) <= 2e-6 and float(out.weight) == weight
+
+
+# ---------------------------------------------------------------- refusals --
+
+
+def test_a_budget_below_one_row_names_the_smallest_that_works():
+  with pytest.raises(
+    wa.WeightedAccumulationError, match="smallest budget that works is 512"
+  ):
+    planning.PlanSpec(buckets=(32, 512), budget=256, batch_rows=8)
+  for bad in [dict(buckets=()), dict(buckets=(0, 8)), dict(overlong="drop"),
+              dict(row_divisors=(1.5,)), dict(cost=(1.0,))]:  # fmt: skip
+    with pytest.raises(wa.WeightedAccumulationError, match="PlanSpec"):
+      planning.PlanSpec(**{**SMALL, **bad})
+
+
+def test_bad_batches_are_refused_and_nothing_changes():
+  spec = planning.PlanSpec(**SMALL)
+  lengths = [3, 20, 5]
+  batch = _batch(lengths)
+  before = jax.tree.map(np.copy, batch)
+  with pytest.raises(
+    wa.WeightedAccumulationError, match="row 1 has 20 tokens.*16"
+  ):
+    planning.plan_batch(spec, batch, lengths)
+  with pytest.raises(wa.WeightedAccumulationError, match=r"batch\['targets'\]"):
+    planning.plan_batch(spec, batch, [3, 5])  # lengths do not match
+  with pytest.raises(wa.WeightedAccumulationError, match="lengths"):
+    planning.plan_batch(spec, batch, [3.0, 5.0, 1.0])
+  with pytest.raises(wa.WeightedAccumulationError, match="batch_rows=12"):
+    planning.plan_batch(spec, _batch([4] * 13), [4] * 13)
+  jax.tree.map(np.testing.assert_array_equal, batch, before)
+  trunc = planning.PlanSpec(**SMALL, overlong="truncate")
+  packed = planning.plan_batch(trunc, batch, lengths)
+  assert sum(m.sum() for _, m in packed.shapes) == 3 + 16 + 5
+
+
+def test_a_batch_planned_for_another_spec_is_refused():
+  spec = planning.PlanSpec(**SMALL)
+  other = planning.PlanSpec(**{**SMALL, "budget": 32})
+  packed = planning.plan_batch(other, _batch([4, 5]), [4, 5])
+  f = planning.planned_value_and_grad(_loss_fn, spec, mode="sum")
+  with pytest.raises(wa.WeightedAccumulationError, match="planned for"):
+    f(_params(jnp.float32), packed)
+  with pytest.raises(wa.WeightedAccumulationError, match="not a batch"):
+    f(_params(jnp.float32), _batch([4, 5]))
+  with pytest.raises(wa.WeightedAccumulationError, match="replicas"):
+    planning.planned_value_and_grad(
+      _loss_fn, spec, mode="sum", axis_name="data"
+    )

@@ -1,0 +1,113 @@
+"""A plan's static part: the microbatch shapes, their capacities, the cost
+model. The spec alone fixes every compiled shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from weighted_accum._src.errors import WeightedAccumulationError
+
+OVERLONG = ("refuse", "truncate", "split")
+
+
+def _ints(value, what: str) -> tuple[int, ...]:
+  """A sorted tuple of distinct positive ints, or an error naming ``what``."""
+  try:
+    got = tuple(sorted({int(v) for v in value}))
+  except (TypeError, ValueError):
+    got = ()
+  if not got or got[0] < 1 or any(int(v) != v for v in value):
+    raise WeightedAccumulationError(
+      f"PlanSpec({what}={value!r}): give a non-empty sequence of positive ints."
+    )
+  return got
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+  """The static part of a microbatch plan: every shape one step compiles.
+
+  Each bucket length ``L`` gets a full shape of ``budget // L`` rows and a
+  sub-shape per further divisor (``rows // d``), so a batch's short tail
+  need not fill a whole microbatch. A shape holds ``capacity`` microbatch
+  slots per replica, enough for any batch of ``batch_rows`` rows; only the
+  slots a plan fills run. Equal specs compile the same program.
+
+  Args:
+    buckets: the padded lengths a row may take (each row goes to a bucket
+      at least its length).
+    budget: the most tokens (rows x length) of one microbatch; at least the
+      largest bucket.
+    batch_rows: the most rows (after ``overlong="split"``) of one batch on
+      one replica.
+    row_divisors: the sub-shapes: for each ``d``, a shape of
+      ``(budget // L) // d`` rows per bucket (``1`` is the full shape).
+    replicas: data-parallel replicas the batch's work is balanced over.
+    overlong: a row longer than the largest bucket: ``"refuse"`` it,
+      ``"truncate"`` it to that bucket, or ``"split"`` it into rows of at
+      most that length (each piece loses the context before it).
+    cost: FLOPs per token and per (token, token) pair of a row; the default
+      is a decoder of width 128 (pairs cost ``1 / (6 d)`` of a token).
+
+  Example:
+    >>> from weighted_accum.planning import PlanSpec
+    >>> spec = PlanSpec(buckets=(32, 64), budget=128, batch_rows=8)
+    >>> spec.shapes
+    ((4, 32), (2, 32), (1, 32), (2, 64), (1, 64))
+  """
+
+  buckets: tuple[int, ...]
+  budget: int
+  batch_rows: int
+  row_divisors: tuple[int, ...] = (1, 2, 4, 8)
+  replicas: int = 1
+  overlong: str = "refuse"
+  cost: tuple[float, float] = (1.0, 1.0 / 768)
+
+  def __post_init__(self):
+    put = lambda k, v: object.__setattr__(self, k, v)
+    put("buckets", _ints(self.buckets, "buckets"))
+    put("row_divisors", _ints(self.row_divisors, "row_divisors"))
+    for name in ("budget", "batch_rows", "replicas"):
+      put(name, _ints((getattr(self, name),), name)[0])
+    if self.budget < self.buckets[-1]:
+      raise WeightedAccumulationError(
+        f"PlanSpec(budget={self.budget}): one row of bucket "
+        f"{self.buckets[-1]} does not fit; the smallest budget that works "
+        f"is {self.buckets[-1]}."
+      )
+    if self.overlong not in OVERLONG:
+      raise WeightedAccumulationError(
+        f"PlanSpec(overlong={self.overlong!r}): one of {OVERLONG}."
+      )
+    cost = tuple(float(c) for c in self.cost)
+    if len(cost) != 2 or not all(math.isfinite(c) and c >= 0 for c in cost):
+      raise WeightedAccumulationError(
+        f"PlanSpec(cost={self.cost!r}): (per token, per token pair), two "
+        "finite non-negative numbers."
+      )
+    put("cost", cost)
+
+  @functools.cached_property
+  def shapes(self) -> tuple[tuple[int, int], ...]:
+    """The compiled ``(rows, length)`` shapes, by length then rows, largest
+    first."""
+    out = []
+    for length in self.buckets:
+      full = self.budget // length
+      rows = sorted(
+        {max(1, full // d) for d in self.row_divisors}, reverse=True
+      )
+      out += [(r, length) for r in rows]
+    return tuple(out)
+
+  @functools.cached_property
+  def capacities(self) -> tuple[int, ...]:
+    """Microbatch slots per shape and replica: enough for any plan."""
+    return tuple(-(-self.batch_rows // r) for r, _ in self.shapes)
+
+  def shape_cost(self, rows: int, length: int) -> float:
+    """The cost model's FLOPs of one microbatch of ``rows`` x ``length``."""
+    return rows * (self.cost[0] * length + self.cost[1] * length * length)
