@@ -697,3 +697,33 @@ def test_float16_buffers_window_mean_beyond_float16_range_is_not_applied():
   )
   out, _ = wa.finish_mean(window)
   assert bool(out.finite) and not bool(out.valid)
+
+
+@pytest.mark.parametrize("how", ["update", "train_state_chain"])
+def test_float16_grads_window_mean_beyond_float16_is_not_applied(how):
+  """float16 params and grads, float32 buffers: the inner optimizer gets the
+  mean in float16 (MultiSteps' dtype), so validity is decided in float16. A
+  mean of 120000 (two microbatches' 30000 over weight 0.25 each) is not
+  applied: no -inf update, the window counted as discarded. A mean of 8000
+  is: sgd(1) on float64 NumPy's mean."""
+  ms = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="sum")
+  for g, ok in ((30000.0, False), (2000.0, True)):
+    params = {"w": jnp.ones(2, jnp.float16)}
+    grads = {"w": jnp.full(2, g, jnp.float16)}
+    if how == "update":
+      step = jax.jit(lambda g, s, p: ms.update(g, s, p, weight=0.25))
+      state = ms.init(params)
+      for _ in range(2):
+        upd, state = step(grads, state, params)
+        params = optax.apply_updates(params, upd)
+    else:
+      tx = optax.chain(ms.gradient_transformation())
+      ts = wa.TrainState.create(apply_fn=None, params=params, tx=tx)
+      step = jax.jit(lambda t, g: t.apply_gradients(grads=g, weight=0.25))
+      for _ in range(2):
+        ts = step(ts, grads)
+      params, state = ts.params, ts.opt_state[0]
+    assert bool(state.nonfinite) is not ok and bool(state.updated) is ok
+    want = np.float16(1.0 - np.float64(g) * 2 / 0.5 if ok else 1.0)
+    np.testing.assert_array_equal(np.asarray(params["w"]), [want, want])
+    assert params["w"].dtype == jnp.float16

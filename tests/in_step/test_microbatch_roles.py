@@ -285,6 +285,43 @@ def test_grads_dtype_params_returns_each_params_dtype(pdtype):
   }
 
 
+@pytest.mark.parametrize(
+  "pdtype,grads_dtype,terms",
+  [
+    (jnp.float16, "params", False),
+    (jnp.float32, jnp.float16, False),
+    (jnp.float32, jnp.float16, True),
+  ],
+)
+def test_a_mean_the_grads_dtype_cannot_hold_is_not_valid(
+  pdtype, grads_dtype, terms
+):
+  """Validity is decided on the gradient as returned: a float16 mean of
+  120000 (microbatch gradients of 30000 over weight 0.25 each; with two loss
+  terms, two means of 60000) is Inf, valid=False, and apply_window leaves
+  the params; 8000 is valid and equals float64 NumPy's mean."""
+
+  def loss_fn(w, x):
+    s = jnp.sum(w.astype(jnp.float32) * x)
+    return ({"a": s / 2, "b": s / 2} if terms else s), jnp.float32(0.25)
+
+  f = jax.jit(
+    wa.microbatched_value_and_grad(
+      loss_fn, 2, mode="sum", grads_dtype=grads_dtype
+    )
+  )
+  tx = optax.sgd(2.0**-10)
+  for row, ok in ((15000.0, False), (1000.0, True)):
+    w = jnp.ones((), pdtype)
+    _, out = f(w, jnp.full(4, row))
+    assert out.grads.dtype == jnp.float16 and bool(out.valid) is ok
+    assert bool(out.finite)
+    if ok:
+      assert float(out.grads) == np.float64(row) * 4 / 0.5
+    p, _, _, _ = wa.apply_window(tx, out, w, tx.init(w))
+    assert float(p) == (1.0 - 2.0**-10 * 8000 if ok else 1.0)
+
+
 # ------------------------------------------------ a random key per microbatch --
 
 

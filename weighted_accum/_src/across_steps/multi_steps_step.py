@@ -225,11 +225,14 @@ class _Plan(NamedTuple):
       them for these grads and params.
     carry: whether the updates travel in the window's buffers (same tree and
       shapes, a dtype the work dtype holds losslessly).
+    dtypes: the dtypes the inner optimizer gets the mean in, per leaf (the
+      window's validity is decided on the mean in them).
   """
 
   update: Callable[..., Any]
   shapes: Any
   carry: bool
+  dtypes: list
 
 
 def _inner_update(cfg, dtypes, extra_args, g, inner_state, params):
@@ -284,7 +287,7 @@ def _plan(cfg: Config, state, grads, params, extra_args) -> _Plan:
     and jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
     for u, b in zip(upd_leaves, buf_leaves)
   )
-  return _Plan(update, shapes, carry)
+  return _Plan(update, shapes, carry, dtypes)
 
 
 class _Closed(NamedTuple):
@@ -359,6 +362,7 @@ def _close(cfg, plan, next_ls, closing, accum, state, params) -> _Closed:
     next_loss_scale=next_ls,
     mean=cfg.use_grad_mean,
     when=closing,
+    dtypes=plan.dtypes,
   )
   pick = lambda a, b: jnp.where(closing, a, b)
   if scaler is not None:

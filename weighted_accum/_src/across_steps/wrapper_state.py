@@ -37,9 +37,10 @@ class WeightedMultiStepsState(NamedTuple):
       update (see :func:`~weighted_accum.has_updated`).
     nonfinite: bool, the last call closed a window that was discarded: its
       pending gradients held NaN/Inf (or, with
-      ``skip_nonfinite_updates=True``, its inner updates did), or its loss
-      scale was unusable. Nothing was applied and the next window starts
-      clean.
+      ``skip_nonfinite_updates=True``, its inner updates did), its loss
+      scale was unusable, or its mean does not fit the dtype the inner
+      optimizer gets it in (the grads' and params' wider dtype). Nothing
+      was applied and the next window starts clean.
     nonfinite_windows: int32, windows discarded so since ``init``.
     empty_windows: int32, closes of a window with zero total weight since
       ``init``. Such a window applies nothing and is not lost: its counters

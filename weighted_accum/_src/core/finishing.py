@@ -199,15 +199,8 @@ def _apply_window_kernel(
   next_loss_scale: jax.Array | None,
   axes: tuple[str, ...],
 ):
-  like = jax.tree.leaves(params)
-
   def apply(grads, operands):
     params, opt_state = operands
-    leaves, treedef = jax.tree.flatten(grads)
-    grads = jax.tree.unflatten(
-      treedef,
-      [m.astype(_mean_dtype(state.dtype, p)) for m, p in zip(leaves, like)],
-    )
     updates, new_opt_state = tx.update(grads, opt_state, params)
     # The optimizer's state keeps its dtypes (a wider mean must not widen
     # it: the donated state would no longer fit its buffers).
@@ -221,6 +214,7 @@ def _apply_window_kernel(
     lambda sums, operands: operands,
     next_loss_scale=next_loss_scale,
     axes=axes,
+    dtypes=[_mean_dtype(state.dtype, p) for p in jax.tree.leaves(params)],
   )
   return params, opt_state, window.refill(state, zero), out
 

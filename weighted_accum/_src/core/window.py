@@ -313,21 +313,32 @@ def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
 CHECKS = ("sums", "unscaled", "mean")
 
 
+def cast(tree: Any, dtypes: Any) -> Any:
+  """``tree``'s leaves cast to ``dtypes`` (flattening order; ``None``: as is)."""
+  if dtypes is None:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes)])
+
+
 def window_mark(
-  sums: Any, loss_scale: jax.Array, weight: jax.Array, check: str
+  sums: Any,
+  loss_scale: jax.Array,
+  weight: jax.Array,
+  check: str,
+  dtypes: Any = None,
 ) -> jax.Array:
   """The one validity read of a window (local; see :func:`global_marks`):
   a float32 mark (:func:`numerics.range_mark`) that is NaN when a pending
   sum is NaN/Inf, else +Inf when the result (``check``: the sums, the sums
   divided by the loss scale, or the mean) does not fit the work dtype,
-  else 0. The division is :func:`divide`'s, so what is read is what a
-  close applies (in the work dtype: a close that hands the optimizer a
-  wider mean decides alike), and it is fused into the read: nothing is
-  written."""
+  else 0. The division is :func:`divide`'s, in the work dtype, then cast
+  to ``dtypes`` (what a close hands on, leaf by leaf): the result must fit
+  both. It is fused into the read: nothing is written."""
   if check == "sums":
     return numerics.tree_mark(sums)
   divisor = weight if check == "mean" else jnp.ones_like(weight)
-  divided = divide(sums, loss_scale, divisor)
+  divided = cast(divide(sums, loss_scale, divisor), dtypes)
   return numerics.tree_mark(divided, numerics.range_mark)
 
 
@@ -341,6 +352,7 @@ def result(
   require_weight: bool,
   check: str | None = None,
   when: jax.Array | None = None,
+  dtypes: Any = None,
 ) -> AccumulatedGradients:
   """What a finish returns, from the (global) sums and weight.
 
@@ -350,10 +362,12 @@ def result(
   loss scale, with ``require_weight`` a positive finite ``weight``, and
   unless ``check == "sums"`` a divided result (:func:`window_mark`) that
   fits the work dtype: one decision for every close, whether it returns
-  the mean (``finish_mean``) or applies it (``close``).
+  the mean (``finish_mean``) or applies it (``close``), read in the dtypes
+  it is handed on in (``dtypes``, per leaf; ``None``: the work dtype).
 
-  With ``mean`` ``grads`` is the mean (NaN where a pending sum was NaN/Inf)
-  and the mark (``check == "mean"``) is read AFTER it is written (reading
+  With ``mean`` ``grads`` is the mean (``check="unscaled"``: the sums
+  divided by the loss scale only; NaN where a pending sum was NaN/Inf)
+  and the mark is read AFTER it is written (reading
   the donated sums before would make XLA copy them); otherwise ``grads`` is
   ``sums`` and ``check`` (default ``"sums"``) says what is read.
 
@@ -366,13 +380,14 @@ def result(
   if require_weight:
     usable = usable & usable_divisors(loss_scale, weight)
   if mean:
-    grads = divide(sums, loss_scale, weight)
+    divisor = jnp.ones_like(weight) if check == "unscaled" else weight
+    grads = cast(divide(sums, loss_scale, divisor), dtypes)
     mark = global_marks((numerics.tree_mark(grads, numerics.range_mark),))[0]
   else:
     grads = sums
     check = check or "sums"
     mark = gated_mark(
-      sums, lambda t: window_mark(t, loss_scale, weight, check), when
+      sums, lambda t: window_mark(t, loss_scale, weight, check, dtypes), when
     )
   finite = ~jnp.isnan(mark)
   return AccumulatedGradients(
@@ -398,6 +413,7 @@ def finish(
   what: str = "finish",
   when: jax.Array | None = None,
   check: str | None = None,
+  dtypes: Any = None,
 ) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
   """Finishes ``state``'s window: the one finish path of the library.
 
@@ -433,7 +449,11 @@ def finish(
       result is meaningful only there.
     check: with ``mean=False``, what ``out.valid`` reads (see
       :func:`window_mark`): ``"sums"`` (the default), or what a close
-      applies, ``"mean"`` or ``"unscaled"``. ``mean=True`` reads the mean.
+      applies, ``"mean"`` or ``"unscaled"``. ``mean=True`` returns and
+      reads the mean, or with ``"unscaled"`` the sums over the loss scale.
+    dtypes: the dtypes, per leaf (flattening order), the mean (or the
+      applied sum) is handed on in; validity is decided on it cast to them
+      (``mean=True``: ``out.grads`` is). ``None``: the work dtype.
 
   Returns:
     ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps
@@ -444,8 +464,8 @@ def finish(
       them.
   """
   keep_empty = mean if keep_empty is None else keep_empty
-  check = "mean" if mean else check or "sums"
-  if check not in CHECKS:
+  check = check or ("mean" if mean else "sums")
+  if check not in CHECKS or (mean and check == "sums"):
     raise ValueError(f"finish(check=...) is one of {CHECKS}")
   if when is not None and (mean or axes):
     raise ValueError("finish(when=...) takes mean=False and no axes")
@@ -468,6 +488,7 @@ def finish(
     check=check,
     require_weight=keep_empty,
     when=when,
+    dtypes=dtypes,
   )
   keep = ~(weight > 0) if keep_empty else None
   if callable(next_loss_scale):  # a dynamic scale, from this window's result
@@ -516,16 +537,17 @@ def close(
   mean: bool = True,
   axes: Axes = (),
   when: jax.Array | None = None,
+  dtypes: Any = None,
 ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
   """The close kernel of :func:`apply_window` and of the optax wrapper,
   generic in what it applies.
 
   The window's sums, weight, finiteness and validity come from
   :func:`finish` (read in place, before anything else; valid as
-  ``finish_mean`` would say: a mean that does not fit the work dtype is
-  never applied); then one ``lax.cond`` on the window's validity runs
-  either ``apply(mean, operands)`` (handed the window's mean gradient in at
-  least float32, divided inside the branch so that XLA fuses
+  ``finish_mean`` would say: a mean that does not fit the work dtype or
+  ``dtypes`` is never applied); then one ``lax.cond`` on the window's
+  validity runs either ``apply(mean, operands)`` (handed the window's mean
+  gradient in ``dtypes``, divided inside the branch so that XLA fuses
   the division into the optimizer's loops; with ``mean=False`` the window's
   sum, divided by the loss scale only) or ``skip(sums, operands)`` (an
   invalid window: nothing advances).
@@ -544,6 +566,9 @@ def close(
       (the optax wrapper): where false nothing is read and ``skip`` runs;
       ``out`` and ``new_state`` are meaningful only where it is true. One
       conditional either way (its predicate is ``when & valid``).
+    dtypes: the dtypes ``apply`` gets the mean in, per leaf (flattening
+      order; default: at least float32). Validity is decided on the mean
+      cast to them, so a window whose mean they cannot hold is not applied.
 
   Returns:
     ``(result, zero, new_state, out)``. ``zero`` is a 0 of the weight's
@@ -562,6 +587,7 @@ def close(
     axes=axes,
     when=when,
     check="mean" if mean else "unscaled",
+    dtypes=dtypes,
   )
   zero_dtype = out.weight.dtype
 
@@ -569,6 +595,7 @@ def close(
     divisor = out.weight if mean else jnp.ones((), zero_dtype)
     # A valid window has a usable loss scale and a positive finite weight.
     grads = divide(sums, out.loss_scale, divisor, wide=True, usable=True)
+    grads = cast(grads, dtypes)
     return apply(grads, operands), jnp.zeros((), zero_dtype)
 
   def invalid_branch(sums, operands):

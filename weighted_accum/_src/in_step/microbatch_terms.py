@@ -137,8 +137,9 @@ class _Closed(NamedTuple):
   rejected: list
 
 
-def _finish_all(cfg: Any, carry: Any) -> _Closed:
-  """Each window closed on the one finish path."""
+def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> _Closed:
+  """Each window closed on the one finish path, in ``dtypes``: its mean, or
+  for known normalisers (terms divided already) its unscaled sum."""
   names = list(carry.sums)
   extra = {f"loss{j}": carry.sums[t][0] for j, t in enumerate(names)}
   extra |= {f"weight{j}": carry.sums[t][1] for j, t in enumerate(names)}
@@ -147,14 +148,16 @@ def _finish_all(cfg: Any, carry: Any) -> _Closed:
     for j, st in enumerate(carry.states)
   }
   outs, ex = [], {}
-  for j, st in enumerate(carry.states):
+  for j, (g, st) in enumerate(zip(groups, carry.states)):
     out, _, got = window.finish(
       st,
       mean=True,
+      check="unscaled" if g.known else None,
       axes=st.placement.axes,
       extra=extra if j == 0 else None,
       plan=None if cfg.spmd is None else cfg.spmd.plan,
       what=_WHAT,
+      dtypes=dtypes,
     )
     outs.append(out)
     ex = ex or got
@@ -163,16 +166,13 @@ def _finish_all(cfg: Any, carry: Any) -> _Closed:
   return _Closed(outs, sums, rejected)
 
 
-def _cast_grads(cfg: Any, call: margs.Call, grads: Any) -> Any:
-  """The gradients in the work dtype, each param's dtype, or the one asked."""
-  if cfg.grads_dtype is None:
-    return jax.tree.map(lambda g: g.astype(cfg.dtype), grads)
+def _grads_dtypes(cfg: Any, call: margs.Call) -> list:
+  """Each gradient leaf's returned dtype (``grads_dtype``)."""
+  values = jax.tree.leaves(margs.diff_values(call))
   if cfg.grads_dtype == "params":
-    params = margs.as_params(call, margs.diff_values(call), cfg.roles)
-    return jax.tree.map(
-      lambda g, p: g.astype(jnp.result_type(p)), grads, params
-    )
-  return jax.tree.map(lambda g: g.astype(cfg.grads_dtype), grads)
+    return [jnp.result_type(v) for v in values]
+  dtype = cfg.dtype if cfg.grads_dtype is None else cfg.grads_dtype
+  return [dtype] * len(values)
 
 
 def _all(flags: list) -> jax.Array:
@@ -186,20 +186,18 @@ def _wide(x: jax.Array) -> jax.Array:
   return x.astype(numerics.compute_dtype(x.dtype))
 
 
-def _mean_grads(groups: tuple, outs: list) -> Any:
-  """The windows' means summed, in the compute dtype."""
-  parts = [
-    jax.tree.map(_wide, o.grads)
-    if not g.known
-    else jax.tree.map(lambda x, k=o.weight: _wide(x) * k, o.grads)
-    for g, o in zip(groups, outs)
-  ]
+def _summed(outs: list) -> Any:
+  """The windows' results summed, in the compute dtype."""
+  parts = [jax.tree.map(_wide, o.grads) for o in outs]
   return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)
 
 
 def conclude(cfg, call, groups, norms, carry: Any):
-  """The exact loss (per term) and the gradient of their sum, with flags."""
-  c = _finish_all(cfg, carry)
+  """The exact loss (per term) and the gradient of their sum, with flags
+  decided on the gradient in the dtypes it is returned in."""
+  dtypes = _grads_dtypes(cfg, call)
+  one = len(groups) == 1  # the gradient is its window's result
+  c = _finish_all(cfg, groups, carry, dtypes if one else None)
   own = {g.terms[0]: o for g, o in zip(groups, c.outs) if not g.known}
   weight, loss = {}, {}
   for t, (loss_sum, w_sum) in c.sums.items():
@@ -214,9 +212,13 @@ def conclude(cfg, call, groups, norms, carry: Any):
   valid = finite & _all([o.valid for o in c.outs])
   valid = valid & _all([r == 0 for r in c.rejected])
   valid = valid & _all([jnp.isfinite(v) for v in norms.values()])
+  grads = c.outs[0].grads if one else window.cast(_summed(c.outs), dtypes)
+  if not one:  # a sum of the windows' results may not fit where each did
+    marks = (numerics.tree_mark(grads, numerics.range_mark),)
+    valid = valid & (window.global_marks(marks)[0] == 0)
   single = list(loss) == [None]
   out = AccumulatedGradients(
-    grads=_cast_grads(cfg, call, _mean_grads(groups, c.outs)),
+    grads=grads,
     weight=weight[None] if single else weight,
     loss_scale=c.outs[0].loss_scale,
     issued=c.outs[0].issued,
