@@ -322,6 +322,26 @@ def test_a_mean_the_grads_dtype_cannot_hold_is_not_valid(
     assert float(p) == (1.0 - 2.0**-10 * 8000 if ok else 1.0)
 
 
+def test_complex_params_are_refused_as_wa_init_refuses_them():
+  """One rule: a complex param is refused, naming its leaf, by the in-step
+  function, wa.init and WeightedMultiSteps (it was silently held fixed, so
+  never trained, where eqx.filter_grad trains it)."""
+  p = {"r": jnp.ones(2), "c": jnp.ones(2, jnp.complex64)}
+
+  def loss(p, x):
+    return jnp.sum(jnp.abs(p["c"] * x) ** 2 + p["r"] * x), jnp.float32(2)
+
+  f = wa.microbatched_value_and_grad(loss, 2, mode="sum")
+  ms = wa.WeightedMultiSteps(optax.sgd(1.0), 2, mode="sum")
+  for call in (
+    lambda: f(p, jnp.ones(4)),
+    lambda: wa.init(p),
+    lambda: ms.init(p),
+  ):
+    with pytest.raises(Error, match=r"\['c'\].*complex"):
+      call()
+
+
 # ------------------------------------------------ a random key per microbatch --
 
 

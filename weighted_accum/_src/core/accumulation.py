@@ -45,8 +45,9 @@ def init(
   tree_utils.check_leaves_floating(
     tree_utils.flat(params),
     what="init(params)",
-    hint="Only floating params have gradients: pass just the trainable "
-    "leaves, e.g. nnx.state(model, nnx.Param) or eqx.filter(model, "
+    hint="Only floating params have gradients (complex ones are not "
+    "supported: hold their real and imaginary parts): pass just the "
+    "trainable leaves, e.g. nnx.state(model, nnx.Param) or eqx.filter(model, "
     "eqx.is_inexact_array).",
   )
   validation.one_device_set([("", params)], what="init(params)")

@@ -162,10 +162,25 @@ class Call(NamedTuple):
 
 
 def differentiable(x: Any) -> bool:
-  """A floating array leaf (as ``eqx.is_inexact_array``, complex apart)."""
+  """A floating array leaf (JAX or NumPy): what is differentiated."""
   if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
     return False
   return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _refuse_complex(what: str, n: int, x: Any) -> None:
+  """Complex array leaves are refused, as ``wa.init`` refuses them (never
+  silently held fixed while ``eqx.filter_grad`` would train them)."""
+  for path, v in tree_utils.flat(x):
+    if isinstance(v, (jax.Array, np.ndarray, np.generic)) and jnp.iscomplexobj(
+      v
+    ):
+      raise WeightedAccumulationError(
+        f"{what}: argument {n} (argnums) leaf {path} is {v.dtype}; complex "
+        "params are not supported. Differentiate its real and imaginary "
+        "parts as two float arrays, or pass it as a non-differentiated "
+        "argument."
+      )
 
 
 def _python_float(x: Any) -> bool:
@@ -190,6 +205,7 @@ def _diff(what: str, n: int, x: Any) -> Diff:
     d = _diff(what, n, params)
     return d._replace(node=x, graphdef=graphdef, rest=rest)
   _refuse_nnx_state(what, n, x)
+  _refuse_complex(what, n, x)
   leaves, treedef = jax.tree.flatten(x)
   mask = tuple(differentiable(v) for v in leaves)
   if not any(mask):

@@ -94,7 +94,8 @@ def microbatched_value_and_grad(
       floating array leaves are differentiated; the others (ints, bools,
       Python numbers, functions: an Equinox module's static half) are held
       fixed and get ``None`` gradients, as with
-      ``eqx.filter_value_and_grad``. A whole ``nnx.Module`` is taken as
+      ``eqx.filter_value_and_grad``; complex leaves are refused, as by
+      :func:`weighted_accum.init`. A whole ``nnx.Module`` is taken as
       ``nnx.value_and_grad`` takes it: its ``nnx.Param`` state is
       differentiated (the grads are an ``nnx.State``), its other state (RNG
       streams, batch statistics) is threaded and written back.
