@@ -233,6 +233,43 @@ def test_mixed_precision_dtype_and_finiteness_as_multisteps(
     )
 
 
+@pytest.mark.parametrize("pdtype", [jnp.float32, jnp.bfloat16])
+def test_dtype_none_means_the_params_dtype_as_in_optax(pdtype):
+  """``accumulator_dtype=None`` is optax's "as the params": the buffers take
+  the params' dtype in WeightedMultiSteps (as optax.MultiSteps' buffers;
+  sgd on float64 NumPy's mean), wa.init, the in-step function and
+  optax_accumulator; params of two dtypes are refused naming both."""
+  params = {"w": jnp.array([1.0, -2.0], pdtype)}
+  grads = [{"w": jnp.array(g, pdtype)} for g in ([0.5, 1.5], [-1.0, 2.0])]
+  ours = wa.WeightedMultiSteps(
+    optax.sgd(0.5), 2, accumulator_dtype=None, mode="mean"
+  )
+  theirs = optax.MultiSteps(optax.sgd(0.5), 2, accumulator_dtype=None)
+  state = ours.init(params)
+  assert state.acc_grads["w"].dtype == theirs.init(params).acc_grads["w"].dtype
+  assert state.acc_grads["w"].dtype == pdtype
+  for g in grads:
+    upd, state = jax.jit(ours.update)(g, state, params, weight=1.0)
+  _assert_close(upd, {"w": -0.5 * np.array([-0.25, 1.75])})
+  assert wa.init(params, dtype=None).grads["w"].dtype == pdtype
+
+  def loss(p, x):
+    return jnp.sum(p["w"] * x), jnp.float32(x.shape[0])
+
+  f = wa.microbatched_value_and_grad(loss, 2, mode="sum", dtype=None)
+  x = jnp.arange(8.0, dtype=pdtype).reshape(4, 2)
+  _, out = f(params, x)
+  assert out.grads["w"].dtype == pdtype
+  _assert_close(out.grads, {"w": np.asarray(x, np.float64).mean(0)})
+  acc = wa.optax_accumulator("sum", dtype=None)
+  g = optax.microbatching.microbatch(
+    jax.value_and_grad(loss, has_aux=True), (1,), 2, accumulator=acc
+  )(params, x)[1]
+  assert g["w"].dtype == pdtype
+  with pytest.raises(wa.WeightedAccumulationError, match="bfloat16.*float32"):
+    wa.init({"a": jnp.ones(1), "b": jnp.ones(1, jnp.bfloat16)}, dtype=None)
+
+
 def test_float16_params_float32_grads_get_float32_window():
   """The window reaches Adam in float32 (as MultiSteps hands it), never as a
   float16 mean that overflows: the updates are finite and exact."""

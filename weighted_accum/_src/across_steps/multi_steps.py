@@ -177,7 +177,8 @@ class WeightedMultiSteps:
       Its ``skip_state`` is stored in ``state.skip_state``. With
       ``axis_name`` it sees the microbatch's gradient over all replicas, so
       every replica skips alike and keeps the same ``skip_state``.
-    accumulator_dtype: the work dtype of the accumulation buffers.
+    accumulator_dtype: the work dtype of the accumulation buffers; ``None``
+      (optax's meaning): the params' dtype, which they must share.
     mode: required. ``"mean"`` when the grads are of each microbatch's loss
       MEAN (``sum(w * l) / weight``), ``"sum"`` when they are of its loss
       SUM. No default is safe: the wrong one weights every microbatch

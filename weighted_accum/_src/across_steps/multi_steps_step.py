@@ -45,7 +45,7 @@ class Config(NamedTuple):
   every_k: int | Callable[..., Any] | None
   use_grad_mean: bool
   should_skip: Callable[..., Any] | None
-  dtype: np.dtype
+  dtype: np.dtype | None  # None: the params' (resolved by init)
   mode: str
   loss_scale: Any  # a stored scalar, or a DynamicLossScale
   axis_name: tuple[str, ...] | None
@@ -55,9 +55,9 @@ class Config(NamedTuple):
 def configure(who: str, **kw: Any) -> Config:
   """Validates the constructor's arguments (optax's names), naming each."""
   validation.transformation(kw["opt"], what=f"{who}(opt)")
-  dt = validation.work_dtype(
-    kw["accumulator_dtype"], what=f"{who}(accumulator_dtype=...)"
-  )
+  dt = kw["accumulator_dtype"]
+  if dt is not None:
+    dt = validation.work_dtype(dt, what=f"{who}(accumulator_dtype=...)")
   ls = kw["loss_scale"]
   if not isinstance(ls, DynamicLossScale):
     ls = validation.loss_scale(

@@ -36,19 +36,22 @@ def init(
   params: Any, dtype: DTypeLike = jnp.float32, loss_scale: ArrayLike = 1.0
 ) -> AccumState:
   """An empty global window of ``params`` (``wa.init`` without
-  ``axis_name``): validated dtype, scale and params, zero buffers on the
-  params' shardings."""
-  dt = validation.work_dtype(dtype, what="init(dtype=...)")
-  ls = validation.loss_scale(
-    loss_scale, what="init(loss_scale=...)", dtype=numerics.tally_dtype(dt)
-  )
+  ``axis_name``): validated dtype (``None``: the params'), scale and
+  params, zero buffers on the params' shardings."""
+  named = tree_utils.flat(params)
   tree_utils.check_leaves_floating(
-    tree_utils.flat(params),
+    named,
     what="init(params)",
     hint="Only floating params have gradients (complex ones are not "
     "supported: hold their real and imaginary parts): pass just the "
     "trainable leaves, e.g. nnx.state(model, nnx.Param) or eqx.filter(model, "
     "eqx.is_inexact_array).",
+  )
+  if dtype is None:  # optax's accumulator_dtype=None: as the params
+    dtype = _params_dtype(named)
+  dt = validation.work_dtype(dtype, what="init(dtype=...)")
+  ls = validation.loss_scale(
+    loss_scale, what="init(loss_scale=...)", dtype=numerics.tally_dtype(dt)
   )
   validation.one_device_set([("", params)], what="init(params)")
   buffers = _follow_committed(
@@ -58,6 +61,18 @@ def init(
   return AccumState(
     grads=buffers, dtype=dt, **tree_utils.commit_like(counters, buffers)
   )
+
+
+def _params_dtype(named: list[tuple[str, Any]]) -> np.dtype:
+  """The params' one dtype (what ``dtype=None`` means)."""
+  dtypes = sorted({str(tree_utils.leaf_dtype(p)) for _, p in named})
+  if len(dtypes) != 1:
+    raise WeightedAccumulationError(
+      f"init(dtype=None): None means the params' dtype, but they have "
+      f"{dtypes or 'no leaves'}, and a window has one work dtype. Pass it, "
+      "e.g. jnp.float32 (WeightedMultiSteps: accumulator_dtype=)."
+    )
+  return np.dtype(dtypes[0])
 
 
 def _follow_committed(buffers: Any) -> Any:

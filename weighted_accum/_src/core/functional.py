@@ -42,7 +42,8 @@ def init(
       ``flax.nnx.State``, trees with ``None`` leaves, or abstract values under
       ``jax.eval_shape``). Only shapes, dtypes and shardings are read.
     dtype: the work dtype of the buffers (float32 recommended; bfloat16 and
-      float16 halve the memory at a precision cost; float64 with x64).
+      float16 halve the memory at a precision cost; float64 with x64), or
+      ``None`` for the params' dtype (which they must share).
     loss_scale: the factor the caller multiplies every loss of the window by
       (e.g. 2**15 for float16), or a :class:`~weighted_accum.DynamicLossScale`
       (its ``scale``). Divided out once at finish. Never inferred.

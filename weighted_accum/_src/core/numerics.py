@@ -50,8 +50,10 @@ def join(hi: Any, lo: Any) -> float | jax.Array:
 
 def tally_dtype(work: Any) -> np.dtype:
   """The dtype of the weight tally and the loss scale: float64 for a float64
-  work dtype, else float32."""
-  return np.dtype(np.float64 if np.dtype(work) == np.float64 else np.float32)
+  work dtype, else float32 (``None``, the params' dtype: float32 until
+  ``init`` reads it)."""
+  wide = work is not None and np.dtype(work) == np.float64
+  return np.dtype(np.float64 if wide else np.float32)
 
 
 # ------------------------------------------- exact sums across replicas --

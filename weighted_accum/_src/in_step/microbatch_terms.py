@@ -166,12 +166,12 @@ def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> _Closed:
   return _Closed(outs, sums, rejected)
 
 
-def _grads_dtypes(cfg: Any, call: margs.Call) -> list:
+def _grads_dtypes(cfg: Any, call: margs.Call, work: Any) -> list:
   """Each gradient leaf's returned dtype (``grads_dtype``)."""
   values = jax.tree.leaves(margs.diff_values(call))
   if cfg.grads_dtype == "params":
     return [jnp.result_type(v) for v in values]
-  dtype = cfg.dtype if cfg.grads_dtype is None else cfg.grads_dtype
+  dtype = work if cfg.grads_dtype is None else cfg.grads_dtype
   return [dtype] * len(values)
 
 
@@ -195,7 +195,7 @@ def _summed(outs: list) -> Any:
 def conclude(cfg, call, groups, norms, carry: Any):
   """The exact loss (per term) and the gradient of their sum, with flags
   decided on the gradient in the dtypes it is returned in."""
-  dtypes = _grads_dtypes(cfg, call)
+  dtypes = _grads_dtypes(cfg, call, carry.states[0].dtype)
   one = len(groups) == 1  # the gradient is its window's result
   c = _finish_all(cfg, groups, carry, dtypes if one else None)
   own = {g.terms[0]: o for g, o in zip(groups, c.outs) if not g.known}

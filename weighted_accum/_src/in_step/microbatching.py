@@ -36,7 +36,7 @@ class _Config(NamedTuple):
   mode: str
   has_aux: bool
   roles: margs.Roles
-  dtype: np.dtype
+  dtype: np.dtype | None
   grads_dtype: Any  # None (the work dtype), "params" or a dtype
   loss_scale: Any
   dp: DataParallel | None  # the data axes and the params' FSDP layout
@@ -237,7 +237,9 @@ def _configure(loss_fn, num_microbatches, **kw) -> _Config:
       f"{_WHAT}(loss_fn): {loss_fn!r} is not callable."
     )
   what = lambda name: f"{_WHAT}({name}=...)"
-  dt = validation.work_dtype(kw.pop("dtype"), what=what("dtype"))
+  dt = kw.pop("dtype")  # None: the params' (read by init)
+  if dt is not None:
+    dt = validation.work_dtype(dt, what=what("dtype"))
   return _Config(
     loss_fn=loss_fn,
     mode=validation.mode(kw.pop("mode"), what=what("mode")),

@@ -60,7 +60,7 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
   Args:
     mode: required. ``"sum"`` when ``loss`` is the microbatch's loss SUM,
       ``"mean"`` when it is the SUM divided by ``weight``.
-    dtype: the gradient buffers' work dtype.
+    dtype: the gradient buffers' work dtype (``None``: the gradients').
 
   Returns:
     An ``optax.microbatching.Accumulator``.
@@ -88,7 +88,9 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
 
   what = "optax_accumulator"
   mean = validation.mode(mode, what=f"{what}(mode=...)") == "mean"
-  dt = validation.work_dtype(dtype, what=f"{what}(dtype=...)")
+  dt = dtype  # None: the gradients' (read by init)
+  if dt is not None:
+    dt = validation.work_dtype(dt, what=f"{what}(dtype=...)")
 
   def init(value):
     _, _, grads = _unpack_value(value)

@@ -115,7 +115,8 @@ def microbatched_value_and_grad(
     key_argnums: positional argument(s) holding one PRNG key each (or a
       pytree of keys): microbatch i gets ``jax.random.fold_in(key, i)``;
       with ``axis_name``, replica r's gets ``fold_in(fold_in(key, r), i)``.
-    dtype: the accumulation work dtype.
+    dtype: the accumulation work dtype; ``None`` (optax's meaning): the
+      params' dtype, which they must share.
     grads_dtype: the dtype of the returned gradients: ``None`` (the work
       dtype), ``"params"`` (each param's own dtype), or a floating dtype.
     loss_scale: each microbatch's loss is multiplied by it before
