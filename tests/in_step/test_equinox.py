@@ -111,6 +111,32 @@ def test_a_whole_module_is_differentiated_like_filter_value_and_grad(mode, jit):
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
 
 
+def test_apply_window_takes_the_whole_module_with_an_in_step_result():
+  """apply_window(tx, out, model, ...) with an in-step result of a whole
+  module: its int, bool, Python-float and function leaves are held (no
+  "params given to init" refusal); the floating leaves take Adam's step
+  on eqx.filter_grad's full-batch gradient."""
+  model = _MLP(jax.random.key(4))
+  x, y, mask = _data(5)
+
+  def loss(m, x, y, mask):
+    return sum_loss(m, x, y, mask), mask.sum()
+
+  f = wa.microbatched_value_and_grad(
+    loss, K, mode="sum", batch_argnums=(1, 2, 3)
+  )
+  tx = optax.adam(0.1)
+  opt = tx.init(_trainable(model))
+  _, out = f(model, x, y, mask)
+  new, _, _, _ = wa.apply_window(tx, out, model, opt)
+  g = eqx.filter_grad(lambda m: sum_loss(m, x, y, mask) / mask.sum())(model)
+  updates, _ = tx.update(g, opt, _trainable(model))
+  ref = eqx.apply_updates(model, updates)
+  assert new.act is model.act and new.rate == 0.3 and type(new.rate) is float
+  assert new.steps is model.steps and new.flag is model.flag
+  assert rel_err(_trainable(new), _trainable(ref)) < 1e-5
+
+
 def test_the_static_half_as_an_argument_passed_unchanged():
   model = _MLP(jax.random.key(2))
   params, static = eqx.partition(model, eqx.is_inexact_array)

@@ -13,6 +13,7 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+import numpy as np
 import optax
 
 from weighted_accum._src import validation
@@ -246,6 +247,20 @@ def _check_result(out, params, next_loss_scale) -> None:
     )
 
 
+def _trained(params: Any) -> Any:
+  """``params`` with ``None`` where an in-step call holds a leaf fixed (as
+  its grads have): all but the floating arrays, or with none of those, all
+  but the Python floats."""
+
+  def arr(x):
+    ok = isinstance(x, (jax.Array, np.ndarray, np.generic))
+    return ok and jnp.issubdtype(x.dtype, jnp.floating)
+
+  if any(map(arr, jax.tree.leaves(params))):
+    return jax.tree.map(lambda x: x if arr(x) else None, params)
+  return jax.tree.map(lambda x: x if isinstance(x, float) else None, params)
+
+
 def _result_grads(out: AccumulatedGradients, params: Any) -> Any:
   """``out.grads`` checked against ``params`` (paths and shapes), in the
   params' structure and at least their dtype and float32."""
@@ -332,7 +347,10 @@ def apply_window(
   one step): ``tx`` is then applied to ``out.grads`` only when ``out.valid``
   (an all-padding batch gives zero gradients and ``valid=False``; without
   this ``tx`` would still move the params through its momentum and weight
-  decay, and advance its step count).
+  decay, and advance its step count). ``params`` may then be a whole
+  Equinox module: the leaves the call held fixed (ints, Python floats,
+  functions) come back as they are, and ``tx``'s state is that of its
+  floating leaves (``tx.init(eqx.filter(model, eqx.is_inexact_array))``).
 
   Args:
     tx: the optimizer (any ``optax.GradientTransformation``); it gets the
@@ -385,8 +403,11 @@ def apply_window(
   """
   validation.transformation(tx, what="apply_window(tx)")
   if isinstance(state, AccumulatedGradients):
-    _check_result(state, params, next_loss_scale)
-    p, o = _apply_result_kernel(tx, state, params, opt_state)
+    trained = _trained(params)  # an Equinox module's static half held
+    _check_result(state, trained, next_loss_scale)
+    p, o = _apply_result_kernel(tx, state, trained, opt_state)
+    held = lambda new, old: old if new is None else new
+    p = jax.tree.map(held, p, params, is_leaf=lambda x: x is None)
     return p, o, None, state
   state = _window(state, "apply_window", stacked_ok=True)
   validation.one_device_set(
