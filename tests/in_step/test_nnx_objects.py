@@ -185,3 +185,38 @@ def test_module_through_accumulate_spanning_two_calls():
     lambda a, c: (ws[0] * a + ws[1] * c) / sum(ws), refs[0], refs[1]
   )
   assert rel_err(out.grads, want) < 1e-5
+
+
+class _Sowing(nnx.Module):
+  def __init__(self):
+    self.lin = nnx.Linear(D, 1, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    h = self.lin(x)[:, 0]
+    self.sow(nnx.Intermediate, "h", h)
+    return h
+
+
+def test_module_that_sows_is_refused_naming_the_sown_state():
+  """A module that sows adds state the loop cannot carry: the error names
+  it (not a state the loss never returned) and its advice works: popped
+  in loss_fn and returned as aux, the gradient is nnx.grad's of the full
+  batch and the intermediates come stacked per microbatch."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((B, D)), jnp.float32)
+
+  def loss(m, x):
+    return jnp.sum(m(x)), jnp.float32(x.shape[0])
+
+  f = wa.microbatched_value_and_grad(loss, K, mode="sum")
+  with pytest.raises(wa.WeightedAccumulationError, match=r"sow: .*'h'.*pop"):
+    f(_Sowing(), x)
+
+  def popped(m, x):
+    out = loss(m, x)
+    return out, nnx.pop(m, nnx.Intermediate)["h"].value[0]
+
+  g = wa.microbatched_value_and_grad(popped, K, mode="sum", has_aux=True)
+  (_, aux), out = g(_Sowing(), x)
+  ref = nnx.grad(lambda m: loss(m, x)[0] / B)(_Sowing())
+  assert rel_err(out.grads, ref) < 1e-6
+  np.testing.assert_allclose(aux, np.asarray(_Sowing()(x)).reshape(-1, K).T)

@@ -111,6 +111,17 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
   like = lambda t: [
     (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves(t)
   ]
+  k = len(cfg.roles.state_argnums)  # then the NNX objects' non-Param state
+  nodes, old = ev.states[k:], threaded[k:]
+  if jax.tree.structure(nodes) != jax.tree.structure(old):
+    paths = tree_utils.leaf_paths(nodes)
+    added = tree_utils.diff_paths(tree_utils.leaf_paths(old), paths)[1]
+    raise WeightedAccumulationError(
+      f"{_WHAT}(loss_fn): it adds state to the NNX module it is given "
+      f"(e.g. by sow: {added or paths}), which the microbatch loop cannot "
+      "carry. Take it out in loss_fn (nnx.pop(model, nnx.Intermediate)) "
+      "and return it as aux with has_aux=True (stacked per microbatch)."
+    )
   got, want = jax.tree.structure(ev.states), jax.tree.structure(threaded)
   if got != want or like(ev.states) != like(threaded):
     raise WeightedAccumulationError(
