@@ -668,11 +668,19 @@ def test_non_scalar_loss_is_refused():
     f(p, batch)
 
 
+@pytest.mark.parametrize("keys", [("loss",), ("loss", "weight")])
 @pytest.mark.parametrize("has_aux", [False, True])
-def test_loss_fn_returning_a_dict_is_refused_saying_what_to_return(has_aux):
+def test_loss_fn_returning_a_dict_is_refused_saying_what_to_return(
+  has_aux, keys
+):
+  """A dict is not the pair (one of two keys unpacked as its keys, the
+  strings, and failed in JAX): refused naming what to return."""
   p, batch = _params(), _batch(np.ones(B))
   f = wa.microbatched_value_and_grad(
-    lambda p, b: {"loss": sum_loss(p, b)[0]}, 4, mode="sum", has_aux=has_aux
+    lambda p, b: dict.fromkeys(keys, sum_loss(p, b)[0]),
+    4,
+    mode="sum",
+    has_aux=has_aux,
   )
   want = r"\(\(loss, weight\), aux\)" if has_aux else r"\(loss, weight\)"
   with pytest.raises(

@@ -41,25 +41,33 @@ class Group(NamedTuple):
 # -------------------------------------------------------- one microbatch --
 
 
+def _pair(x: Any) -> tuple:
+  if not isinstance(x, (tuple, list)) or len(x) != 2:
+    raise TypeError  # a dict of two keys would unpack as its keys
+  return tuple(x)
+
+
 def unpack(cfg: Any, res: Any) -> tuple[Any, Any, Any, tuple]:
   """``loss_fn``'s result as ``(loss, weight, aux, states)``."""
-  roles = cfg.roles
+  roles, got = cfg.roles, res
   states: tuple = ()
   want = "((loss, weight), aux)" if cfg.has_aux else "(loss, weight)"
   try:
     if roles.state_argnums:
       want = f"({want}, new_state)"
-      res, new = res
+      res, new = _pair(res)
       states = (new,) if roles.single_state else tuple(new)
       if len(states) != len(roles.state_argnums):
         raise ValueError
-    (loss, weight), aux = res if cfg.has_aux else (res, None)
+    res, aux = _pair(res) if cfg.has_aux else (res, None)
+    loss, weight = _pair(res)
   except (TypeError, ValueError):
     raise WeightedAccumulationError(
-      f"{_WHAT}(loss_fn): it returned {type(res).__name__} "
-      f"{jax.tree.structure(res)}; with has_aux={cfg.has_aux} and "
+      f"{_WHAT}(loss_fn): it returned {type(got).__name__} "
+      f"{jax.tree.structure(got)}; with has_aux={cfg.has_aux} and "
       f"state_argnums={roles.state_argnums} it must return {want}, where "
-      "weight is the microbatch's item count (e.g. mask.sum())."
+      "weight is the microbatch's item count (e.g. mask.sum()) and loss a "
+      "scalar or a dict of loss terms."
     ) from None
   return loss, weight, aux, states
 
