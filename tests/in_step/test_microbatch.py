@@ -689,6 +689,29 @@ def test_loss_fn_returning_a_dict_is_refused_saying_what_to_return(
     f(p, batch)
 
 
+@pytest.mark.parametrize("masked_loss", [5.0, np.nan])
+def test_sum_mode_fully_masked_microbatch_adds_nothing_to_the_loss(
+  masked_loss,
+):
+  """mode="sum": a microbatch of weight 0 adds nothing to the reported loss,
+  not even a constant or NaN its loss_fn returns: loss and gradient equal
+  float64 NumPy's over the weighted rows, and the call is valid."""
+  x = np.arange(1.0, 9.0)
+  mask = np.ones(8, np.float32)
+  mask[3::4] = 0.0  # microbatch 3 of the strided split: fully masked
+
+  def loss(w, x, m):
+    extra = jnp.where(m.sum() > 0, 0.0, masked_loss)
+    return jnp.sum(m * w * x) + extra, m.sum()
+
+  f = wa.microbatched_value_and_grad(loss, 4, mode="sum", batch_argnums=(1, 2))
+  value, out = jax.jit(f)(jnp.float32(2.0), jnp.asarray(x), jnp.asarray(mask))
+  x64, m64 = x.astype(np.float64), mask.astype(np.float64)
+  np.testing.assert_allclose(float(value), 2 * (m64 @ x64) / m64.sum())
+  np.testing.assert_allclose(float(out.grads), (m64 @ x64) / m64.sum())
+  assert bool(out.valid) and float(out.weight) == 6.0
+
+
 def test_invalid_weight_from_loss_fn_makes_the_call_invalid():
   p, batch = _params(), _batch(np.ones(B))
   f = jax.jit(
