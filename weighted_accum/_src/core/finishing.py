@@ -248,9 +248,7 @@ def _check_result(out, params, next_loss_scale) -> None:
 
 
 def _trained(params: Any) -> Any:
-  """``params`` with ``None`` where an in-step call holds a leaf fixed (as
-  its grads have): all but the floating arrays, or with none of those, all
-  but the Python floats."""
+  """``params`` with ``None`` where an in-step call holds a leaf fixed."""
 
   def arr(x):
     ok = isinstance(x, (jax.Array, np.ndarray, np.generic))

@@ -451,9 +451,8 @@ def finish(
       :func:`window_mark`): ``"sums"`` (the default), or what a close
       applies, ``"mean"`` or ``"unscaled"``. ``mean=True`` returns and
       reads the mean, or with ``"unscaled"`` the sums over the loss scale.
-    dtypes: the dtypes, per leaf (flattening order), the mean (or the
-      applied sum) is handed on in; validity is decided on it cast to them
-      (``mean=True``: ``out.grads`` is). ``None``: the work dtype.
+    dtypes: per leaf, the dtype the result is handed on in (and decided
+      in; ``None``: the work dtype).
 
   Returns:
     ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps

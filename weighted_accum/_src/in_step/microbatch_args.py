@@ -169,8 +169,7 @@ def differentiable(x: Any) -> bool:
 
 
 def _refuse_complex(what: str, n: int, x: Any) -> None:
-  """Complex array leaves are refused, as ``wa.init`` refuses them (never
-  silently held fixed while ``eqx.filter_grad`` would train them)."""
+  """Refuses complex array leaves, as ``wa.init`` does."""
   for path, v in tree_utils.flat(x):
     if isinstance(v, (jax.Array, np.ndarray, np.generic)) and jnp.iscomplexobj(
       v
