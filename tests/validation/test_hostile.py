@@ -641,7 +641,7 @@ def test_from_buffers_refuses_counters_it_would_store_otherwise(
     (jnp.int32, False),
     (jnp.bool_, False),
     ("garbage", False),
-    (None, False),
+    (None, True),  # optax's accumulator_dtype=None: the params' dtype
     (object(), False),
     (3, False),
     (jnp.float8_e4m3fn, False),

@@ -343,6 +343,14 @@ def commit_like(tree: Any, params: Any) -> Any:
   return jax.tree.map(place, tree)
 
 
+def cast_to(tree: Any, dtypes: Any) -> Any:
+  """``tree``'s leaves cast to ``dtypes`` (flattening order; ``None``: as is)."""
+  if dtypes is None:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes)])
+
+
 def cast_like(tree: Any, like: Any) -> Any:
   """``tree``'s leaves cast to the dtypes of ``like``'s leaves."""
   return jax.tree.map(

@@ -313,32 +313,17 @@ def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
 CHECKS = ("sums", "unscaled", "mean")
 
 
-def cast(tree: Any, dtypes: Any) -> Any:
-  """``tree``'s leaves cast to ``dtypes`` (flattening order; ``None``: as is)."""
-  if dtypes is None:
-    return tree
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef.unflatten([x.astype(d) for x, d in zip(leaves, dtypes)])
-
-
-def window_mark(
-  sums: Any,
-  loss_scale: jax.Array,
-  weight: jax.Array,
-  check: str,
-  dtypes: Any = None,
-) -> jax.Array:
+def window_mark(sums: Any, scale: Any, weight: Any, check: str, dtypes: Any):
   """The one validity read of a window (local; see :func:`global_marks`):
   a float32 mark (:func:`numerics.range_mark`) that is NaN when a pending
   sum is NaN/Inf, else +Inf when the result (``check``: the sums, the sums
-  divided by the loss scale, or the mean) does not fit the work dtype,
-  else 0. The division is :func:`divide`'s, in the work dtype, then cast
-  to ``dtypes`` (what a close hands on, leaf by leaf): the result must fit
-  both. It is fused into the read: nothing is written."""
+  divided by the loss scale, or the mean) does not fit the work dtype and
+  ``dtypes`` (what a close hands on, per leaf), else 0. The division is
+  :func:`divide`'s, fused into the read: nothing is written."""
   if check == "sums":
     return numerics.tree_mark(sums)
   divisor = weight if check == "mean" else jnp.ones_like(weight)
-  divided = cast(divide(sums, loss_scale, divisor), dtypes)
+  divided = tree_utils.cast_to(divide(sums, scale, divisor), dtypes)
   return numerics.tree_mark(divided, numerics.range_mark)
 
 
@@ -362,12 +347,11 @@ def result(
   loss scale, with ``require_weight`` a positive finite ``weight``, and
   unless ``check == "sums"`` a divided result (:func:`window_mark`) that
   fits the work dtype: one decision for every close, whether it returns
-  the mean (``finish_mean``) or applies it (``close``), read in the dtypes
-  it is handed on in (``dtypes``, per leaf; ``None``: the work dtype).
+  the mean (``finish_mean``) or applies it (``close``), and in ``dtypes``.
 
-  With ``mean`` ``grads`` is the mean (``check="unscaled"``: the sums
-  divided by the loss scale only; NaN where a pending sum was NaN/Inf)
-  and the mark is read AFTER it is written (reading
+  With ``mean`` ``grads`` is the mean (``check="unscaled"``: the sums over
+  the loss scale; NaN where a pending sum was NaN/Inf) in ``dtypes``, and
+  the mark is read AFTER it is written (reading
   the donated sums before would make XLA copy them); otherwise ``grads`` is
   ``sums`` and ``check`` (default ``"sums"``) says what is read.
 
@@ -381,7 +365,7 @@ def result(
     usable = usable & usable_divisors(loss_scale, weight)
   if mean:
     divisor = jnp.ones_like(weight) if check == "unscaled" else weight
-    grads = cast(divide(sums, loss_scale, divisor), dtypes)
+    grads = tree_utils.cast_to(divide(sums, loss_scale, divisor), dtypes)
     mark = global_marks((numerics.tree_mark(grads, numerics.range_mark),))[0]
   else:
     grads = sums
@@ -449,8 +433,7 @@ def finish(
       result is meaningful only there.
     check: with ``mean=False``, what ``out.valid`` reads (see
       :func:`window_mark`): ``"sums"`` (the default), or what a close
-      applies, ``"mean"`` or ``"unscaled"``. ``mean=True`` returns and
-      reads the mean, or with ``"unscaled"`` the sums over the loss scale.
+      applies, ``"mean"`` or ``"unscaled"`` (also with ``mean=True``).
     dtypes: per leaf, the dtype the result is handed on in (and decided
       in; ``None``: the work dtype).
 
@@ -565,9 +548,8 @@ def close(
       (the optax wrapper): where false nothing is read and ``skip`` runs;
       ``out`` and ``new_state`` are meaningful only where it is true. One
       conditional either way (its predicate is ``when & valid``).
-    dtypes: the dtypes ``apply`` gets the mean in, per leaf (flattening
-      order; default: at least float32). Validity is decided on the mean
-      cast to them, so a window whose mean they cannot hold is not applied.
+    dtypes: per leaf, the dtype ``apply`` gets the mean in (and validity is
+      decided in; default: at least float32).
 
   Returns:
     ``(result, zero, new_state, out)``. ``zero`` is a 0 of the weight's
@@ -594,7 +576,7 @@ def close(
     divisor = out.weight if mean else jnp.ones((), zero_dtype)
     # A valid window has a usable loss scale and a positive finite weight.
     grads = divide(sums, out.loss_scale, divisor, wide=True, usable=True)
-    grads = cast(grads, dtypes)
+    grads = tree_utils.cast_to(grads, dtypes)
     return apply(grads, operands), jnp.zeros((), zero_dtype)
 
   def invalid_branch(sums, operands):

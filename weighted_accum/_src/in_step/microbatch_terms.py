@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import numerics
+from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
@@ -220,7 +221,9 @@ def conclude(cfg, call, groups, norms, carry: Any):
   valid = finite & _all([o.valid for o in c.outs])
   valid = valid & _all([r == 0 for r in c.rejected])
   valid = valid & _all([jnp.isfinite(v) for v in norms.values()])
-  grads = c.outs[0].grads if one else window.cast(_summed(c.outs), dtypes)
+  grads = (
+    c.outs[0].grads if one else tree_utils.cast_to(_summed(c.outs), dtypes)
+  )
   if not one:  # a sum of the windows' results may not fit where each did
     marks = (numerics.tree_mark(grads, numerics.range_mark),)
     valid = valid & (window.global_marks(marks)[0] == 0)
