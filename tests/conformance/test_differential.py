@@ -64,8 +64,6 @@ TOL = {
 #: today's main; each has an xfail(strict=True) regression test below. Empty
 #: this set as the fixes land.
 KNOWN_BROKEN: set[tuple[str, str]] = {
-  ("f", "float16 mean past range"),  # narrowed after validity: inf, valid
-  ("wrapper", "float16 mean past range"),  # -inf updates, nonfinite=False
 }
 
 #: A value ``loss_fn`` closes over: eager calls must see its current value.
@@ -849,11 +847,6 @@ def _tiny_weight_loss(w, b):  # mean = sum(b) / (n * 2**-18) = 131072
 
 
 @pytest.mark.parametrize("grads_dtype", ["params", "float16"])
-@pytest.mark.xfail(
-  strict=True,
-  reason="the mean is narrowed to float16 after validity was decided: "
-  "grads=inf, valid=True, apply_window writes -inf",
-)
 def test_mean_past_float16_is_invalid_and_not_applied(grads_dtype):
   pd = jnp.float16 if grads_dtype == "params" else jnp.float32
   gd = "params" if grads_dtype == "params" else jnp.float16
@@ -869,11 +862,6 @@ def test_mean_past_float16_is_invalid_and_not_applied(grads_dtype):
   assert not bool(out.valid) and float(new) == 1.0
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="WeightedMultiSteps casts a float32 window's mean to float16 "
-  "before the inner update: -inf updates, nonfinite=False",
-)
 def test_wrapper_mean_past_float16_is_not_applied():
   tx = wa.WeightedMultiSteps(
     optax.sgd(1.0), 2, mode="sum", accumulator_dtype=jnp.float32

@@ -108,7 +108,9 @@ def _caller(style, loss):
 
 
 @pytest.mark.parametrize("kind", ["python", "dict", "array", "method"])
-@pytest.mark.parametrize("style", ["axis_name", "accumulate", "explicit_no_axis"])
+@pytest.mark.parametrize(
+  "style", ["axis_name", "accumulate", "explicit_no_axis"]
+)
 def test_an_eager_call_sees_what_loss_fn_closes_over_now(style, kind):
   loss, set_c = _closure(kind)
   call = _caller(style, loss)
@@ -270,13 +272,18 @@ def test_a_module_with_a_dropout_stream_draws_per_replica_in_both_styles():
   one = plain(plain_model, b)  # [K, N, rows of a replica's microbatch]
   many, st = jax.jit(
     jax.shard_map(
-      body, mesh=AUTO, in_specs=(P(), P("data")), out_specs=(P(None, "data"), P())
+      body,
+      mesh=AUTO,
+      in_specs=(P(), P("data")),
+      out_specs=(P(None, "data"), P()),
     )
   )(st, b)
   nnx.update(mapped_model, st)
   masks = np.asarray(one).reshape(K * N, -1) != 0
   assert len({tuple(r) for r in masks}) == K * N
-  np.testing.assert_array_equal(np.asarray(many), np.asarray(one).reshape(K, -1))
+  np.testing.assert_array_equal(
+    np.asarray(many), np.asarray(one).reshape(K, -1)
+  )
   for model in (plain_model, mapped_model):
     rng = _rng(model)["drop"]["rngs"]
     assert int(rng["count"][...]) == K
