@@ -40,42 +40,22 @@ def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
   return (weight > 0) & jnp.isfinite(weight) & validation.scale_ok(loss_scale)
 
 
-#: Divisors above this are scaled down with their dividend (see _divisors).
+#: A divisor above this is scaled down by it (its reciprocal would be subnormal).
 _BIG = 2.0**64
 
 
 def _divisors(
   loss_scale: jax.Array, weight: jax.Array, ct: Any, check: bool
 ) -> tuple[jax.Array, jax.Array]:
-  """The factors ``(f1, f2)`` in ``ct`` that a leaf ``x`` is multiplied by
-  in this order, ``(x * f1) * f2``, to divide it by the loss scale, then by
-  the weight.
-
-  Each division is a multiplication by a reciprocal (as XLA compiles a
-  division by a scalar anyway; within an ulp of it): cheap enough for XLA
-  to fuse into every loop that reads the result (an optimizer's), where a
-  division of each element would be written out first. ``f1`` is ``1 /
-  loss_scale`` and ``f2`` is ``1 / weight``, never their product (which
-  overflows or underflows at float32's edges), but that a reciprocal above
-  ``2**126`` would be subnormal, flushed to zero: a divisor above ``2**64``
-  is divided by ``2**64`` in its own factor and the ``2**-64`` moves to the
-  other one (exact; a factor is subnormal only when both divisors exceed
-  ``2**62``). Each factor ends in a division, which XLA computes once
-  rather than copying the scalar work into every leaf's loop. With
-  ``check``, where the divisors are unusable ``f1`` is 0 and ``f2`` 1.
-  """
+  """Factors ``(f1, f2)`` with ``(x * f1) * f2 == x / loss_scale / weight``,
+  dividing by the larger divisor first (docs/design.md, "Closing a window")."""
   ls, w = loss_scale.astype(ct), weight.astype(ct)
   one, zero = jnp.ones((), ct), jnp.zeros((), ct)
   ok = usable_divisors(loss_scale, weight) if check else w > 0
   ls, w = jnp.where(ok, ls, one), jnp.where(ok, w, one)
-  # Powers of two picked by selects, one division per factor: XLA
-  # reassociates products and quotients of scalars (``(a / b) / (c / d)``
-  # becomes ``(a * d) / (b * c)``), which could overflow here.
-  small = jnp.asarray(1.0 / _BIG, ct)
-  down_ls = jnp.where(ls > _BIG, small, one)
-  big_w = w > _BIG
-  keep = jnp.where(ok, jnp.where(big_w, small, one), zero)
-  return keep / (ls * down_ls), down_ls / (w * jnp.where(big_w, small, one))
+  big, small = jnp.maximum(ls, w), jnp.minimum(ls, w)
+  down = jnp.where(big > _BIG, jnp.asarray(1.0 / _BIG, ct), one)
+  return jnp.where(ok, one, zero) / (big * down), down / small
 
 
 def divide(
@@ -86,26 +66,10 @@ def divide(
   wide: bool = False,
   usable: bool = False,
 ) -> Any:
-  """``(sums / loss_scale) / weight`` per leaf: 0 where the divisors are not
-  usable, NaN where the sum was NaN or Inf (so the result alone tells a
-  non-finite pending value, NaN, from an overflow of the mean, Inf).
-
-  Two divisions in at least float32, in this order, never one by
-  ``loss_scale * weight``: the product overflows or underflows float32 at
-  its edges (a scale of ``2**-126`` and a weight of ``0.5``; ``2**100`` and
-  ``1e10``) where the two divisions do not. XLA rewrites ``(a / b) / c``
-  into ``a / (b * c)``; here each division is a multiplication by its own
-  reciprocal (:func:`_divisors`), which XLA keeps apart
-  (``tests/xla/test_division_order.py`` reads the compiled program).
-  Arithmetic, not selects: XLA:CPU fuses it into a reduction that reads
-  the result (a select it writes out first).
-
-  Each result leaf has its sum's dtype, or with ``wide`` the compute dtype
-  (at least float32: when ``weight * loss_scale < 1`` the mean can exceed
-  float16's range although the sums do not). ``usable=True`` (inside a
-  ``lax.cond`` on a valid window: finite sums, usable divisors) skips the
-  divisor check and the NaN marks.
-  """
+  """``sums / loss_scale / weight`` per leaf (at least float32, the larger
+  divisor first); 0 where the divisors are unusable, NaN where a sum is not
+  finite. ``wide``: in the compute dtype; ``usable``: the divisors are known
+  usable and the sums finite (no checks)."""
   factors = {}
 
   def one(b):
@@ -316,19 +280,23 @@ CHECKS = ("sums", "unscaled", "mean")
 def window_mark(
   sums: Any, loss_scale: jax.Array, weight: jax.Array, check: str
 ) -> jax.Array:
-  """The one validity read of a window (local; see :func:`global_marks`):
-  a float32 mark (:func:`numerics.range_mark`) that is NaN when a pending
-  sum is NaN/Inf, else +Inf when the result (``check``: the sums, the sums
-  divided by the loss scale, or the mean) does not fit the work dtype,
-  else 0. The division is :func:`divide`'s, so what is read is what a
-  close applies (in the work dtype: a close that hands the optimizer a
-  wider mean decides alike), and it is fused into the read: nothing is
-  written."""
+  """The window's local validity mark: NaN for a NaN/Inf pending sum, else
+  +Inf when the result (``check``) leaves the work dtype, else 0."""
   if check == "sums":
     return numerics.tree_mark(sums)
   divisor = weight if check == "mean" else jnp.ones_like(weight)
-  divided = divide(sums, loss_scale, divisor)
-  return numerics.tree_mark(divided, numerics.range_mark)
+  ls, d = (jnp.asarray(v, jnp.float32) for v in (loss_scale, divisor))
+  # Both divisors >= 1, or their product >= 2: finite sums give a result
+  # no larger than the sums, so the cheaper finiteness read decides.
+  shrinks = (jnp.minimum(ls, d) >= 1) | (ls >= 2 / d)
+  return lax.cond(
+    shrinks,
+    numerics.tree_mark,
+    lambda t: numerics.tree_mark(
+      divide(t, loss_scale, divisor), numerics.range_mark
+    ),
+    sums,
+  )
 
 
 def result(
@@ -382,6 +350,7 @@ def result(
     issued=jnp.asarray(issued).astype(jnp.int32),
     finite=finite,
     valid=finite & (mark == 0) & usable,
+    kind="mean" if mean else "sums",
   )
 
 
@@ -486,6 +455,11 @@ def reduce_finished(
   """The global mean from one replica's ``finish(state, mean=False)``
   result: the same collective round and division as ``finish`` with
   ``axes`` and ``mean=True`` (no state to reset)."""
+  if out.kind != "sums":
+    raise WeightedAccumulationError(
+      f"{what}(out): out holds a {out.kind}, not finish_sums' sums; pass "
+      "this replica's finish_sums result."
+    )
   vma_on = tree_utils.vma_checked(axes)
   if vma_on:
     _check_scale_shared(out.loss_scale, axes, what)
@@ -578,7 +552,7 @@ def close(
 
   pred = out.valid if when is None else when & out.valid
   res, zero = lax.cond(pred, valid_branch, invalid_branch, out.grads, operands)
-  return res, zero, new_state, out.replace(grads=None)
+  return res, zero, new_state, out.replace(grads=None, kind="mean")
 
 
 def refill(state: AccumState, zero: jax.Array) -> AccumState:
