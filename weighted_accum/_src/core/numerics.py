@@ -183,7 +183,7 @@ _SMALL = 1 << 16
 _GROUP = 32
 
 
-def _unpartitioned(x: jax.Array) -> bool:
+def unpartitioned(x: jax.Array) -> bool:
   """Whether ``x`` is known not to be split over devices by XLA's SPMD
   partitioner: no mesh, only manual axes (inside ``shard_map``), or
   explicit axes its type does not shard it over. A variadic reduction of
@@ -217,7 +217,7 @@ def _unpartitioned(x: jax.Array) -> bool:
 def _group_key(x: jax.Array) -> Any:
   """Leaves that may share one reduction: small leaves of one shape and
   dtype that are not partitioned (and, when concrete, one placement)."""
-  if not 0 < x.size <= _SMALL or not _unpartitioned(x):
+  if not 0 < x.size <= _SMALL or not unpartitioned(x):
     return None
   placement = None
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):

@@ -242,13 +242,16 @@ def _range_mark(sums: Any, loss_scale: jax.Array, divisor: jax.Array):
     if ct not in factors:
       factors[ct] = _divisors(loss_scale, divisor, ct, check=True)
     f1, f2 = factors[ct]
-    zero = jnp.zeros((), ct)
-    fin, big = lax.reduce(
-      ((b - b).astype(ct), jnp.abs(b).astype(ct)),
-      (zero, zero),
-      lambda x, y: (x[0] + y[0], jnp.maximum(x[1], y[1])),
-      tuple(range(b.ndim)),
-    )
+    zero, x = jnp.zeros((), ct), b.astype(ct)
+    if numerics.unpartitioned(b):  # one loop; else XLA gathers partials
+      fin, big = lax.reduce(
+        (x - x, jnp.abs(x)),
+        (zero, zero),
+        lambda u, v: (u[0] + v[0], jnp.maximum(u[1], v[1])),
+        tuple(range(b.ndim)),
+      )
+    else:
+      fin, big = jnp.sum(x - x), jnp.max(jnp.abs(x))
     fits = jnp.isfinite(((big * f1) * f2).astype(b.dtype))
     marks.append((fin + jnp.where(fits, zero, jnp.inf)).astype(jnp.float32))
   return sum(marks[1:], marks[0])
