@@ -27,6 +27,8 @@ from weighted_accum._src.across_steps.multi_steps import (
 from weighted_accum._src.across_steps.multi_steps import (
   window_counters as window_counters,
 )
+from weighted_accum._src.across_steps.peek import discard as discard
+from weighted_accum._src.across_steps.peek import peek_mean as peek_mean
 from weighted_accum._src.across_steps.train_state import (
   TrainState as TrainState,
 )
@@ -62,8 +64,6 @@ from weighted_accum._src.core.loss_scale import (
 )
 
 # Read the open window's mean, or drop the window.
-from weighted_accum._src.core.open_window import discard as discard
-from weighted_accum._src.core.open_window import peek_mean as peek_mean
 from weighted_accum._src.errors import (
   WeightedAccumulationError as WeightedAccumulationError,
 )

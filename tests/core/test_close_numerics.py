@@ -97,14 +97,18 @@ EDGES = [
   (3.0, 1.0, 2.0**127),  # 1 / weight is subnormal
   (2.0**127, 2.0**63, 2.0**63),
   (7.0, 3.0, 3.0),
+  # a loss scale below 1: dividing by it first overflows, the mean fits
+  (3e38, 0.5, 4.0),
+  (2.0**127, 2.0**-10, 2.0**20),
 ]
 
 
 @pytest.mark.parametrize("x,scale,weight", EDGES)
-def test_mean_divides_by_the_scale_then_the_weight(x, scale, weight):
+def test_mean_divides_by_the_larger_divisor_first(x, scale, weight):
   """(sums / loss_scale) / weight as float64 NumPy computes it (within two
-  float32 roundings), where one division by loss_scale * weight overflows
-  or underflows float32; reported valid. apply_window applies the same
+  float32 roundings), where one division by loss_scale * weight, or the
+  division by a loss scale below 1 first, overflows or underflows float32;
+  reported valid. apply_window applies the same
   mean, bit for bit."""
   sums = np.array([x, -x, 0.0], np.float32)
   state = wa.init({"w": jnp.zeros(3)}, loss_scale=scale)
@@ -140,6 +144,23 @@ def test_traced_invalid_loss_scale_is_never_stored(bad):
   out, nxt = jax.jit(wa.finish_sums)(new, next_loss_scale=jnp.float32(4.0))
   assert not bool(out.valid)
   assert float(nxt.loss_scale) == 4.0
+
+
+@pytest.mark.parametrize("bad", [np.nan, 0.0, np.inf, 1e-40, -1.0])
+def test_a_window_with_an_unusable_scale_closes_to_zeros(bad):
+  """A window holding sums whose loss scale is unusable (NaN, 0, Inf,
+  subnormal, negative) closes to zero grads, valid=False, eagerly and under
+  jit, and apply_window leaves the params as they were."""
+  state = _window([3.0, -3.0], 2.0).replace(loss_scale=jnp.float32(bad))
+  for finish in (wa.finish_mean, jax.jit(wa.finish_mean)):
+    out, _ = finish(state)
+    assert not bool(out.valid)
+    np.testing.assert_array_equal(np.asarray(out.grads["w"]), [0.0, 0.0])
+  params = {"w": jnp.ones(2)}
+  sgd = optax.sgd(1.0)
+  new, _, _, out = wa.apply_window(sgd, state, params, sgd.init(params))
+  assert not bool(out.valid)
+  np.testing.assert_array_equal(np.asarray(new["w"]), [1.0, 1.0])
 
 
 def _bf16_bits(x):
@@ -205,3 +226,35 @@ def test_in_step_sum_mode_ignores_a_fully_masked_microbatch(normalizers):
   assert bool(out.valid) and bool(out.finite)
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-6)
   np.testing.assert_allclose(float(out.grads), ref_grad, rtol=1e-6)
+
+
+def test_a_result_is_applied_as_what_it_is():
+  """finish_sums' still-scaled sums are refused by apply_window (eagerly
+  and under jit), and finish_mean's mean by reduce_sums, each naming what
+  to pass; finish_mean's mean is applied as the float64 mean."""
+  from jax.sharding import PartitionSpec as P
+
+  from weighted_accum import distributed
+
+  params = {"w": jnp.zeros(2)}
+  sgd = optax.sgd(1.0)
+  state = _window([8.0, -16.0], 2.0, loss_scale=4.0)
+  sums, _ = wa.finish_sums(state)
+  assert sums.kind == "sums"
+  step = lambda o: wa.apply_window(sgd, o, params, sgd.init(params))
+  for fn in (step, jax.jit(step)):
+    with pytest.raises(wa.WeightedAccumulationError, match="finish_sums"):
+      fn(sums)
+  mean, _ = wa.finish_mean(state)
+  new, _, _, _ = step(mean)
+  np.testing.assert_array_equal(np.asarray(new["w"]), [-1.0, 2.0])
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+  reduce = jax.shard_map(
+    lambda o: distributed.reduce_sums(o, "data").grads,
+    mesh=mesh,
+    in_specs=P(),
+    out_specs=P(),
+  )
+  np.testing.assert_array_equal(np.asarray(reduce(sums)["w"]), [1.0, -2.0])
+  with pytest.raises(wa.WeightedAccumulationError, match="finish_sums"):
+    reduce(mean)

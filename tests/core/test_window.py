@@ -322,7 +322,9 @@ def test_donated_close_is_in_place_without_temporaries(inner):
   donated = (params, opt_state, acc)
   big = [x for x in jax.tree.leaves(donated) if x.size > 1]
   assert ma.alias_size_in_bytes >= sum(x.nbytes for x in big)
-  assert ma.temp_size_in_bytes <= 0.01 * pbytes
+  # Scalars and small reductions' partials only (the smallest leaf is 64
+  # floats, 0.14% of the params; the largest 72%).
+  assert ma.temp_size_in_bytes <= 0.02 * pbytes
   # Outputs beyond the aliased ones: scalars only (counters, out's flags).
   assert ma.output_size_in_bytes - ma.alias_size_in_bytes <= 1024
 

@@ -16,11 +16,13 @@ not count):
 ``optax.MultiSteps`` runs everything in one computation of 4 loops per leaf
 (its buffers, the two moments, the params), computing the inner update on
 every step. The wrapper skips it mid-window with a conditional, and a
-conditional's outputs are materialised: the buffers are written before it,
-the updates leave it for the caller's ``apply_updates``, and the buffers are
-reset after the caller's read. These three loops, and the pending sums'
-finiteness read at a close, are what the wrapper adds per leaf
-(``docs/design.md``, "The optax wrapper's step layout").
+conditional's outputs are materialised: the updates leave it for the
+caller's ``apply_updates``. That loop, and the pending sums' finiteness read
+at a close, are what the wrapper adds per leaf at a close; the closed
+window's buffers are not reset in a loop of their own (the next window's
+first accumulate overwrites them). Measured at leaves of 512x512 (above
+65,536 elements, where each leaf has its own finiteness read), counting the
+loops that read or write a leaf-sized array.
 """
 
 from __future__ import annotations
@@ -141,30 +143,77 @@ def per_leaf():
   return out
 
 
-def test_mid_window_step_runs_fewer_loops_than_multisteps(per_leaf):
-  """Mid-window the wrapper runs the accumulate, the caller's apply of zero
-  updates and the buffers' select: 3 loops per leaf, no inner update."""
-  wrapper, multisteps = per_leaf["wrapper"], per_leaf["multisteps"]
-  assert multisteps["mid_window"] == 4
-  assert wrapper["mid_window"] <= 3
+def _big(types: str) -> bool:
+  """Whether an HLO type string names an array above 65,536 elements."""
+  dims = re.findall(r"\[([\d,]+)\]", types)
+  return any(np.prod([int(d) for d in x.split(",")]) > 65536 for x in dims)
 
 
-def test_program_adds_two_loops_per_leaf_to_multisteps(per_leaf):
-  """The whole program (= the closing path) against MultiSteps' measured in
-  this test: its loops per leaf plus exactly the two the conditional
-  materialises (measured: 6.0 against 4.0); the finiteness read is one loop
-  per group of up to 32 small leaves of one shape.
+def _leaf_loops(comps, name: str, pick) -> int:
+  """As :func:`_loops`, counting only fusions that read or write a
+  leaf-sized array (the scalar work around them is not a loop over a
+  leaf)."""
+  n = 0
+  for line in comps[name]:
+    if re.search(r"\sfusion\(", line):
+      called = re.search(r"calls=%?([\w.\-]+)", line).group(1)
+      params = [l for l in comps[called] if "parameter(" in l]
+      n += _big(line.split("fusion(")[0]) or any(map(_big, params))
+    elif re.search(r"\sconditional\(", line):
+      n += pick(_leaf_loops(comps, b, pick) for b in _branches(line))
+  return n
 
-  Fewer is not possible without giving up what the step keeps: the inner
-  update's outputs leave the conditional (its updates, which the caller's
-  ``apply_updates`` reads, are written once), and with no parameter-sized
-  temporary (``test_memory.py``) they can only live in the window's
-  buffers, which therefore are zeroed after that read in a loop of their
-  own (XLA:CPU fuses no sibling loops). MultiSteps writes neither: it
-  computes the inner update on every step, at 3 P of temporaries."""
-  wrapper, multisteps = per_leaf["wrapper"], per_leaf["multisteps"]
-  assert wrapper["closing"] == wrapper["loops"]
-  assert wrapper["loops"] <= multisteps["loops"] + 2
+
+def _big_step(kind: str, leaves: int) -> str:
+  inner = optax.adamw(1e-3, weight_decay=1e-4)
+  if kind == "multisteps":
+    tx, kw = optax.MultiSteps(inner, 4), {}
+  else:
+    tx, kw = wa.WeightedMultiSteps(inner, 4, mode="mean"), {"weight": 2.0}
+
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params, **kw)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {f"w{i}": jnp.full((512, 512), 0.5) for i in range(leaves)}
+  lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
+    params, tx.init(params), params
+  )
+  return lowered.compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def big_leaf():
+  """Loops over a 512x512 leaf, mid-window and at a close, per leaf."""
+  out = {}
+  for kind in ("multisteps", "wrapper"):
+    one, three = (_computations(_big_step(kind, n)) for n in (1, 3))
+    out[kind] = {
+      k: (_leaf_loops(*three, pick) - _leaf_loops(*one, pick)) / 2
+      for k, pick in (("mid_window", min), ("closing", max))
+    }
+  return out
+
+
+def test_mid_window_step_runs_half_multisteps_loops(big_leaf):
+  """Mid-window the wrapper runs the accumulate (which also overwrites a
+  closed window's buffers) and the caller's apply of zero updates: 2 loops
+  per leaf, no inner update, no reset; MultiSteps runs 4."""
+  assert big_leaf["multisteps"]["mid_window"] == 4
+  assert big_leaf["wrapper"]["mid_window"] == 2
+
+
+def test_window_runs_fewer_loops_than_multisteps(big_leaf):
+  """A closing step runs the accumulate, the finiteness read, AdamW's two
+  moments, its updates (materialised by the conditional that skips it
+  mid-window) and the caller's apply: 6 loops per leaf against
+  MultiSteps' 4. No multi-output fusion on XLA:CPU, so the read is a loop
+  of its own. A window of K = 4 runs 3 * 2 + 6 = 12 against 16."""
+  wrapper, multisteps = big_leaf["wrapper"], big_leaf["multisteps"]
+  assert wrapper["closing"] <= 6
+  k = 4
+  window = (k - 1) * wrapper["mid_window"] + wrapper["closing"]
+  assert window < k * multisteps["closing"]
 
 
 def test_scalar_checks_are_not_copied_into_every_leaf(per_leaf):

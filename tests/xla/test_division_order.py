@@ -1,15 +1,18 @@
-"""The window's mean divides by the loss scale, then by the weight, in the
-COMPILED program: XLA rewrites ``(a / b) / c`` into ``a / (b * c)``, and
-the product of a loss scale and a weight overflows or underflows float32
-at its edges (``tests/core/test_close_numerics.py`` has the values).
+"""The window's mean divides by its two divisors one after the other, the
+larger first, in the COMPILED program: XLA rewrites ``(a / b) / c`` into
+``a / (b * c)``, and the product of a loss scale and a weight overflows or
+underflows float32 at its edges; dividing by a loss scale below 1 first
+overflows where the mean fits (``tests/core/test_close_numerics.py``).
 
 Read from the optimised HLO text of ``jit``-compiled closes: which of the
 caller's sums, loss scale and weight each instruction's value is computed
 from (a select's predicate does not count: it picks, it does not compute),
-per tuple element. The program must multiply something computed from the
-sums and the loss scale by a factor computed from the weight alone, and
-must never multiply a value computed from the loss scale alone by one
-computed from the weight alone.
+per tuple element. The program must multiply a value already divided by
+one divisor (computed from the sums and both divisors, as the larger is
+picked by value) by a second divisor factor, and must never multiply two
+divisor factors together (no value computed from the divisors alone times
+another). The compiled closes are also run at the edges where either fixed
+order loses the window.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -162,15 +166,16 @@ def _merge(outs):
 
 
 def _check_order(flow: _Flow) -> None:
-  scale, weight = frozenset({"scale"}), frozenset({"weight"})
+  divisors = frozenset({"scale", "weight"})
   for a, b in flow.products:
-    for u, v in ((a, b), (b, a)):
-      assert not (u == scale and v == weight), "loss scale x weight"
+    assert not (a and b and a <= divisors and b <= divisors), (
+      "a product of the divisors"
+    )
   assert any(
-    {"sums", "scale"} <= u and "weight" not in u and v == weight
+    {"sums", "scale", "weight"} <= u and v and v <= divisors
     for a, b in flow.products
     for u, v in ((a, b), (b, a))
-  ), "no division by the weight after the one by the loss scale"
+  ), "no second division after the first"
 
 
 def _state():
@@ -234,3 +239,25 @@ def test_the_check_refuses_a_product_of_the_divisors(mutant):
   )
   with pytest.raises(AssertionError):
     _check_order(flow)
+
+
+@pytest.mark.parametrize(
+  "x,scale,weight",
+  [(3e38, 0.5, 4.0), (2.0**127, 2.0**-10, 2.0**20), (1.0, 2.0**-126, 0.5)],
+)
+def test_the_compiled_closes_keep_a_window_either_fixed_order_loses(
+  x, scale, weight
+):
+  """finish_mean and apply_window under jit: the float64 mean, valid."""
+  state = wa.init({"w": jnp.zeros(2)}, loss_scale=scale)
+  state = wa.accumulate_sum(state, {"w": jnp.asarray([x, -x])}, weight)
+  ref = x / scale / weight
+  out, _ = jax.jit(wa.finish_mean)(state)
+  assert bool(out.valid)
+  np.testing.assert_allclose(np.asarray(out.grads["w"]), [ref, -ref], 1e-6)
+  sgd = optax.sgd(1.0)
+  params = {"w": jnp.zeros(2)}
+  step = jax.jit(lambda s, p, o: wa.apply_window(sgd, s, p, o))
+  new, _, _, out = step(state, params, sgd.init(params))
+  assert bool(out.valid)
+  np.testing.assert_allclose(np.asarray(new["w"]), [-ref, ref], 1e-6)

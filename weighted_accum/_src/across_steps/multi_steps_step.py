@@ -216,18 +216,7 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
 
 class _Plan(NamedTuple):
   """How the window's gradient reaches the inner optimizer (static for one
-  trace).
-
-  Attributes:
-    update: ``(g, inner_state, params) -> (updates, inner_state)``: the
-      updates in ``shapes``' dtypes, the inner state in its own.
-    shapes: the updates' shapes and dtypes, as ``optax.MultiSteps`` returns
-      them for these grads and params.
-    carry: whether the updates travel in the window's buffers (same tree and
-      shapes, a dtype the work dtype holds losslessly).
-    dtypes: the dtypes the inner optimizer gets the mean in, per leaf (the
-      window's validity is decided on the mean in them).
-  """
+  trace)."""
 
   update: Callable[..., Any]
   shapes: Any
@@ -243,18 +232,7 @@ def _inner_update(cfg, dtypes, extra_args, g, inner_state, params):
 
 
 def _plan(cfg: Config, state, grads, params, extra_args) -> _Plan:
-  """The inner update as the close branch runs it, and its updates' shapes.
-
-  ``optax.MultiSteps`` hands the inner optimizer the grads' dtype, and its
-  updates' dtypes are the contract. The window's gradient goes in at least
-  that wide and at least as wide as the params (float16 params with float32
-  grads get float32, never a float16 mean that overflows); the updates come
-  back in MultiSteps' dtypes and the inner state in its own.
-
-  The shapes are planned with ``jax.eval_shape`` (abstract evaluation,
-  nothing staged into the step), so the one conditional is built once, with
-  the inner update traced into its close branch only.
-  """
+  """The inner update as the close branch runs it, and its updates' shapes."""
   ms_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
   dtypes = ms_dtypes
   if params is not None:
@@ -291,29 +269,13 @@ def _plan(cfg: Config, state, grads, params, extra_args) -> _Plan:
 
 
 class _Closed(NamedTuple):
-  """What :func:`_close` returns.
-
-  Attributes:
-    carrier: where ``applied``, the window's updates (written over its
-      buffers when the plan carries them); elsewhere the buffers (carry) or
-      zero updates.
-    inner_state: the inner optimizer's state, advanced only if ``applied``
-      (or, with ``skip_nonfinite_updates``, for a window whose updates came
-      out non-finite: it has taken that step).
-    counters: the next window's counters (an ``AccumState`` without grads).
-    applied: the inner update was applied.
-    nonfinite: the window was discarded (see the state's ``nonfinite``).
-    consumed: the window is over (its buffers are zeroed for the next one).
-    empty: a close of a window with zero total weight (kept open).
-    scaler: the dynamic loss scale after this call (``None`` without one).
-  """
+  """What :func:`_close` returns."""
 
   carrier: Any
   inner_state: Any
   counters: AccumState
   applied: jax.Array
   nonfinite: jax.Array
-  consumed: jax.Array
   empty: jax.Array
   scaler: DynamicLossScale | None
 
@@ -354,7 +316,7 @@ def _close(cfg, plan, next_ls, closing, accum, state, params) -> _Closed:
 
   if scaler is not None:  # the next window's scale, from this window's result
     next_ls = lambda out: _adjusted(scaler, out).scale
-  (carrier, new_inner, applied), zero, new, out = window.close(
+  (carrier, new_inner, applied), _, new, out = window.close(
     accum,
     (state.inner_opt_state, params),
     apply,
@@ -377,47 +339,23 @@ def _close(cfg, plan, next_ls, closing, accum, state, params) -> _Closed:
     ),
     applied=applied,
     nonfinite=nonempty & ~applied,
-    # ``zero`` (0, from the conditional) makes the reset of the buffers
-    # depend on the conditional, so XLA runs it after the conditional's read
-    # of them (else it copies them first).
-    consumed=nonempty & ~(zero > 0),
     empty=closing & ~(out.weight > 0),
     scaler=scaler,
   )
 
 
 def _outputs(closed: _Closed, plan: _Plan, buffers: Any) -> tuple[Any, Any]:
-  """The returned updates and the next window's buffers."""
-  if plan.carry:
-    # Selects, not conditionals: XLA schedules them after the caller's read
-    # of the updates and writes the buffers in place (a conditional here
-    # would make it copy the buffers first).
-    updates = jax.tree.map(
-      lambda c, s: jnp.where(closed.applied, c, jnp.zeros((), c.dtype)).astype(
-        s.dtype
-      ),
-      closed.carrier,
-      plan.shapes,
-    )
-    buffers = jax.tree.map(
-      lambda c: jnp.where(closed.consumed, jnp.zeros((), c.dtype), c),
-      closed.carrier,
-    )
-    return updates, buffers
-  # Zeroing the consumed window's buffers in a conditional of its own (its
-  # predicate comes out of the one above, so it runs after the buffers were
-  # read) lets XLA update them in place.
-  buffers = lax.cond(
-    closed.consumed,
-    lambda b: jax.tree.map(jnp.zeros_like, b),
-    lambda b: b,
-    buffers,
-  )
+  """The returned updates and the next window's buffers (the closed window's
+  are left as they are: ``mini_step`` 0 makes the next accumulate overwrite
+  them, with no loop of their own)."""
   updates = jax.tree.map(
-    lambda u: jnp.where(closed.applied, u, jnp.zeros((), u.dtype)),
+    lambda c, s: jnp.where(closed.applied, c, jnp.zeros((), c.dtype)).astype(
+      s.dtype
+    ),
     closed.carrier,
+    plan.shapes,
   )
-  return updates, buffers
+  return updates, closed.carrier if plan.carry else buffers
 
 
 # ---------------------------------------------------------------- update --

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.loss_scale import DynamicLossScale
@@ -27,7 +28,9 @@ class WeightedMultiStepsState(NamedTuple):
     acc_grads: the open window's pending gradient sums, a tree like the
       params in the accumulator dtype. Unlike ``optax.MultiSteps``' running
       mean these are weighted SUMS, still multiplied by the loss scale; the
-      window's gradient is ``acc_grads / loss_scale / total_weight``.
+      window's gradient is ``acc_grads / loss_scale / total_weight``. While
+      ``mini_step`` is 0 (right after a close) they are not read: the next
+      microbatch overwrites them (read the window through :attr:`accum`).
     skip_state: what ``should_skip_update_fn`` returned last (``()``
       without one), as in optax.
     window: the open window's counters, an
@@ -71,7 +74,12 @@ class WeightedMultiStepsState(NamedTuple):
   @property
   def accum(self) -> AccumState:
     """The open window as one :class:`~weighted_accum.AccumState`."""
-    return self.window.replace(grads=self.acc_grads)
+    fresh = self.mini_step == 0  # the closed window's buffers, unread
+    return self.window.replace(
+      grads=jax.tree.map(
+        lambda b: jnp.where(fresh, jnp.zeros((), b.dtype), b), self.acc_grads
+      )
+    )
 
   @property
   def inner_state(self) -> Any:

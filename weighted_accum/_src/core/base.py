@@ -207,6 +207,9 @@ class AccumulatedGradients(struct.PyTreeNode):
     valid: bool, the result may be applied: ``finite``, a usable loss scale
       and, for a mean, a positive total weight and a mean that fits the
       work dtype.
+    kind: what ``grads`` is (static): ``"mean"`` (applied by
+      ``apply_window``) or ``"sums"`` (``finish_sums``: still loss-scaled,
+      reduced by ``distributed.reduce_sums``).
   """
 
   grads: Any
@@ -215,6 +218,7 @@ class AccumulatedGradients(struct.PyTreeNode):
   issued: jax.Array
   finite: jax.Array
   valid: jax.Array
+  kind: str = struct.field(pytree_node=False, default="mean")
 
 
 #: The counters, in ``AccumState`` field order (also the checkpoint's keys).

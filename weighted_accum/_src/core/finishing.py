@@ -232,6 +232,11 @@ def _check_result(out, params, next_loss_scale) -> None:
         "already; drop the argument (set an in-step call's loss scale with "
         "its loss_scale=)."
       )
+  if out.kind != "mean":
+    raise WeightedAccumulationError(
+      f"{what}: this is finish_sums' result (still loss-scaled sums, not "
+      "a mean). Pass the window itself, or finish_mean's out."
+    )
   if out.grads is None:
     raise WeightedAccumulationError(
       f"{what}: this AccumulatedGradients has no gradients (apply_window's "

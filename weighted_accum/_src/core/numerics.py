@@ -119,15 +119,8 @@ def mean_contribution(g: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
 
 
 def computed_once(x: jax.Array) -> jax.Array:
-  """``x`` (a scalar or a small vector), computed once for all the loops
-  that read it.
-
-  XLA:CPU copies the whole computation of a scalar into every fused loop
-  that reads it (a weight's validity checks: ~60 instructions in each
-  leaf's accumulate loop), which costs compile time, not run time. A value
-  that comes out of a reduction over a small vector is computed once and
-  read by each loop. The same value either way (``max`` of copies of ``x``).
-  """
+  """``x`` (a scalar or a small vector), computed once for all the loops that
+  read it."""
   return jnp.max(jnp.broadcast_to(x, (2, 2) + jnp.shape(x)), axis=0)[0]
 
 
@@ -153,13 +146,7 @@ def _zero_or_nan(x: jax.Array) -> jax.Array:
 
 def nonfinite_mark(x: jax.Array) -> jax.Array:
   """A float32 scalar: 0 when every value of ``x`` is finite, NaN when one is
-  NaN or Inf (0 for an empty array).
-
-  Marks add (``+``), survive any ``psum`` (0 times the replica count is 0,
-  NaN stays NaN) and are read with ``jnp.isnan``: a NaN-safe reduction where
-  a max is not. ``x - x`` is 0 or NaN (``inf - inf``) and reads only ``x``;
-  the sum runs in float32 inside the reduction (no separate conversion).
-  """
+  NaN or Inf (0 for an empty array)."""
   x = jnp.asarray(x)
   if x.size == 0:
     return jnp.zeros((), jnp.float32)
@@ -198,7 +185,7 @@ _SMALL = 1 << 16
 _GROUP = 32
 
 
-def _unpartitioned(x: jax.Array) -> bool:
+def unpartitioned(x: jax.Array) -> bool:
   """Whether ``x`` is known not to be split over devices by XLA's SPMD
   partitioner: no mesh, only manual axes (inside ``shard_map``), or
   explicit axes its type does not shard it over. A variadic reduction of
@@ -232,7 +219,7 @@ def _unpartitioned(x: jax.Array) -> bool:
 def _group_key(x: jax.Array) -> Any:
   """Leaves that may share one reduction: small leaves of one shape and
   dtype that are not partitioned (and, when concrete, one placement)."""
-  if not 0 < x.size <= _SMALL or not _unpartitioned(x):
+  if not 0 < x.size <= _SMALL or not unpartitioned(x):
     return None
   placement = None
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
@@ -262,13 +249,7 @@ def _grouped_marks(xs: list[jax.Array], elementwise) -> list[jax.Array]:
 
 
 def tree_mark(tree: Any, mark=nonfinite_mark) -> jax.Array:
-  """The sum of ``mark`` over the leaves of ``tree`` (0 for no leaves).
-
-  Small leaves of one shape (biases, norm scales, small kernels; at most
-  ``_SMALL`` elements, not partitioned) are reduced together, in one
-  variadic reduction per group (the same sum, NaN-safe): one loop per group
-  instead of one to three per leaf, which XLA:CPU compiles in time that
-  grows with the loops."""
+  """The sum of ``mark`` over the leaves of ``tree`` (0 for no leaves)."""
   elementwise = _ELEMENTWISE.get(mark)
   marks, groups = [], {}
   for x in jax.tree.leaves(tree):

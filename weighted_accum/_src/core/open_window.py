@@ -1,12 +1,7 @@
-"""An open window read or dropped without closing it: ``peek_mean`` and
-``discard`` (tunix's mid-window read of the mean gradient, and its reset).
-
-Both work on the functional API's :class:`~weighted_accum.AccumState` and on
-the optax wrapper's state (``nnx.Optimizer(...).opt_state`` included), and go
-through the one close path's machinery: ``peek_mean`` is
+"""The open window's read and reset kernels (``peek_mean`` is
 ``window.finish`` whose next window is thrown away, ``discard`` is
-``window.next_window`` (the next window a finish would open).
-"""
+``window.next_window``); the public functions are in
+``across_steps.peek``."""
 
 from __future__ import annotations
 
@@ -14,35 +9,9 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from jax.typing import ArrayLike
 
-from weighted_accum._src import validation
-from weighted_accum._src.across_steps import held_state
-from weighted_accum._src.across_steps.wrapper_state import (
-  WeightedMultiStepsState,
-)
-from weighted_accum._src.core import base
-from weighted_accum._src.core import finishing
-from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumState
-from weighted_accum._src.core.base import AccumulatedGradients
-from weighted_accum._src.errors import WeightedAccumulationError
-
-_HINT = (
-  "Pass the open window: an AccumState (wa.init, accumulate_*) or the "
-  "optax wrapper's state (WeightedMultiSteps.init / update)."
-)
-
-
-def _window(state: Any, what: str) -> AccumState:
-  state = held_state.view(state)  # nnx.Optimizer's opt_state, its State
-  if isinstance(state, WeightedMultiStepsState):
-    return state.accum
-  return validation.instance(
-    state, AccumState, what=f"{what}(state)", hint=_HINT
-  )
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -51,122 +20,6 @@ def _peek_kernel(state: AccumState, axes: tuple[str, ...]):
   return out
 
 
-@validation.refuse_removed("axis_name")
-def peek_mean(
-  state: AccumState | WeightedMultiStepsState,
-) -> AccumulatedGradients:
-  """The open window's mean gradient, read without closing the window.
-
-  What :func:`~weighted_accum.finish_mean` would return now (the sums
-  divided by the loss scale, then by the total weight), but the window stays
-  open: keep accumulating into ``state`` and close it as usual. For the
-  optax wrapper's state it is the mean gradient, what the inner optimizer
-  would get at a close now with ``use_grad_mean=True`` (the default; with
-  ``False`` it gets the sum, i.e. this mean times the window's weight).
-
-  Args:
-    state: an :class:`~weighted_accum.AccumState`, or a
-      :class:`~weighted_accum.WeightedMultiStepsState` (also
-      ``nnx.Optimizer(...).opt_state``).
-
-  A per-replica window (``wa.init(..., axis_name=...)``, or a wrapper built
-  with ``axis_name``) gives the global mean, reduced in one collective
-  round, identical on every replica; a stacked window under plain ``jit``
-  is reduced once too.
-
-  Returns:
-    An :class:`~weighted_accum.AccumulatedGradients`, as ``finish_mean``'s
-    (under ``jit``, zero grads and ``valid=False`` for a window of zero
-    total weight).
-
-  Raises:
-    WeightedAccumulationError: for a state that is neither, a per-replica
-      window outside the ``shard_map`` of its axes, or (eagerly) a window of
-      zero total weight.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import weighted_accum as wa
-    >>> state = wa.accumulate_mean(wa.init({'w': jnp.zeros(1)}),
-    ...                            {'w': jnp.array([1.0])}, 3)
-    >>> wa.peek_mean(state).grads['w'].item(), int(state.issued)
-    (1.0, 1)
-    >>> state = wa.accumulate_mean(state, {'w': jnp.array([5.0])}, 1)
-    >>> wa.peek_mean(state).grads['w'].item()   # (3*1 + 1*5) / 4
-    2.0
-  """
-  st = _window(state, "peek_mean")
-  if not base.plain(st):
-    return base.PLACED["peek_mean"](st)
-  if not tree_utils.is_traced(st.weight_hi):
-    validation.nonempty_window(st, what="peek_mean")
-  return _peek_kernel(st, ())
-
-
 @jax.jit
 def _discard_kernel(state: AccumState, next_loss_scale: Any) -> AccumState:
   return window.next_window(state, next_loss_scale)
-
-
-def discard(
-  state: AccumState | WeightedMultiStepsState,
-  *,
-  next_loss_scale: ArrayLike | None = None,
-) -> AccumState | WeightedMultiStepsState:
-  """Drops the open window: its microbatches are thrown away, unapplied.
-
-  Returns the empty window a finish would open (zero buffers on the params'
-  shardings, the window's counters reset, ``windows`` counting it as
-  closed); the optax wrapper's state also gets ``mini_step`` 0, and its inner
-  optimizer, ``gradient_step`` and other counters are untouched. Use it to
-  drop a window known to be bad (a data error found mid-window, a
-  preemption's partial window) without applying it.
-
-  Args:
-    state: an :class:`~weighted_accum.AccumState` or a
-      :class:`~weighted_accum.WeightedMultiStepsState`.
-    next_loss_scale: the new window's loss scale (default: unchanged); not
-      with a wrapper whose loss scale is a ``DynamicLossScale`` (the scaler
-      sets it).
-
-  Returns:
-    The state, of the same type, with an empty window.
-
-  Raises:
-    WeightedAccumulationError: for a state that is neither, or an invalid
-      ``next_loss_scale``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import weighted_accum as wa
-    >>> state = wa.accumulate_sum(wa.init({'w': jnp.zeros(2)}),
-    ...                           {'w': jnp.ones(2)}, 5)
-    >>> state = wa.discard(state)
-    >>> state.total_weight, int(state.issued), state.grads['w'].tolist()
-    (0.0, 0, [0.0, 0.0])
-  """
-  st = _window(state, "discard")
-  ls = validation.optional_loss_scale(
-    next_loss_scale,
-    what="discard(next_loss_scale=...)",
-    dtype=st.loss_scale.dtype,
-  )
-  finishing.shared_over_window(st, ls, "discard(next_loss_scale=...)")
-  wrapper = held_state.view(state)
-  if isinstance(wrapper, WeightedMultiStepsState):
-    if ls is not None and wrapper.loss_scaler is not None:
-      raise WeightedAccumulationError(
-        "discard(next_loss_scale=...): this wrapper's loss scale is a "
-        "DynamicLossScale, which sets each window's scale; drop the "
-        "argument."
-      )
-    new = _discard_kernel(st, ls)
-    wrapper = wrapper._replace(
-      acc_grads=new.grads,
-      window=new.replace(grads=None),
-      mini_step=jnp.zeros_like(wrapper.mini_step),
-    )
-  else:
-    wrapper = _discard_kernel(st, ls)
-  # In the caller's types: nnx.Optimizer's Variables, an nnx.State's keys.
-  return held_state.rewrap(state, wrapper)

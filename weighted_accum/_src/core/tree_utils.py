@@ -116,23 +116,7 @@ def match_tree(
   what: str,
   ref_name: str = "the accumulator's buffers",
 ) -> list[Any]:
-  """Checks that ``tree`` has ``reference``'s leaf paths and shapes.
-
-  Args:
-    reference: the tree whose structure is expected (buffers or params).
-    tree: the caller's tree (grads, restored buffers).
-    what: how to name ``tree`` in messages.
-    ref_name: how to name ``reference`` in messages.
-
-  Returns:
-    The leaves of ``tree`` in ``reference``'s flattening order. Container
-    types may differ (a ``dict`` against an ``nnx.State``) when every leaf
-    path agrees.
-
-  Raises:
-    WeightedAccumulationError: naming the first missing, extra or misshapen
-      leaf.
-  """
+  """Checks that ``tree`` has ``reference``'s leaf paths and shapes."""
   ref, got = flat(reference), flat(tree)
   _check_paths([p for p, _ in ref], [p for p, _ in got], what, ref_name)
   for (path, r), (_, g) in zip(ref, got):
@@ -162,10 +146,7 @@ def leaf_dtype(leaf: Any) -> np.dtype:
 def check_leaves_floating(
   paths_and_leaves: list[tuple[str, Any]], *, what: str, hint: str = GRADS_HINT
 ) -> None:
-  """Raises naming the first leaf whose dtype is not floating.
-
-  Leaves may be arrays, Python/NumPy scalars or ``jax.ShapeDtypeStruct``s.
-  """
+  """Raises naming the first leaf whose dtype is not floating."""
   for path, leaf in paths_and_leaves:
     try:
       dt = leaf_dtype(leaf)
@@ -195,12 +176,8 @@ def manual_axes() -> tuple[str, ...]:
 
 
 def vma_checked(axes: tuple[str, ...]) -> bool:
-  """Whether the enclosing ``shard_map`` tracks varying types over
-  ``axes[0]`` (``check_vma=True``).
-
-  With ``check_vma=False`` every value reads as unvarying and autodiff does
-  not sum gradients of replicated params: they are local.
-  """
+  """Whether the enclosing ``shard_map`` tracks varying types over ``axes[0]``
+  (``check_vma=True``)."""
   return axes[0] in varying_axes(jax.lax.axis_index(axes[0]))
 
 
@@ -257,13 +234,7 @@ def check_not_reduced_against_weight(
 
 
 def zeros_like(x: Any, dtype: Any = None) -> jax.Array:
-  """Zeros shaped like ``x`` on ``x``'s sharding, eagerly and under ``jit``.
-
-  Under ``jit`` a constant has no data dependence on ``x``, so the partitioner
-  would replicate it (``jnp.zeros_like`` does, on an auto mesh). Selecting
-  from ``x`` with an all-false mask makes the zeros inherit ``x``'s sharding
-  on auto and explicit meshes alike, and stays zero where ``x`` is NaN/Inf.
-  """
+  """Zeros shaped like ``x`` on ``x``'s sharding, eagerly and under ``jit``."""
   dtype = x.dtype if dtype is None else dtype
   if isinstance(x, jax.Array) and not is_traced(x):
     # Keeps x's sharding and whether it is committed: a state born from
@@ -294,12 +265,7 @@ def _committed_arrays(tree: Any) -> list[jax.Array]:
 
 
 def replicated_sharding(tree: Any) -> jax.sharding.Sharding | None:
-  """The sharding ``jit`` gives a scalar computed from ``tree``'s arrays.
-
-  Replicated over the devices of ``tree``'s first committed array (its mesh
-  for a ``NamedSharding``); ``None`` when no array of ``tree`` is committed
-  (``jit`` then leaves its outputs uncommitted as well).
-  """
+  """The sharding ``jit`` gives a scalar computed from ``tree``'s arrays."""
   committed = _committed_arrays(tree)
   if not committed:
     return None
@@ -316,16 +282,8 @@ def replicated_sharding(tree: Any) -> jax.sharding.Sharding | None:
 
 
 def commit_like(tree: Any, params: Any) -> Any:
-  """``tree`` with its concrete uncommitted scalars committed like ``params``.
-
-  ``jax.jit`` keys its cache on whether each argument is committed, and a
-  jitted step's outputs are committed as soon as one input is: a state whose
-  buffers are committed but whose scalars are not would enter a step in one
-  form and leave it in another, and compile twice. Every way a state is
-  born places its scalars as a step would return them. Other leaves are
-  returned as they are; nothing changes when no leaf of ``params`` is
-  committed.
-  """
+  """``tree`` with its concrete uncommitted scalars committed like
+  ``params``."""
   sharding = replicated_sharding(params)
   if sharding is None:
     return tree

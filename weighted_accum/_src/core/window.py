@@ -1,15 +1,6 @@
-"""Closing a window: the one close path (``finish``, ``close``) and the
-public closers ``finish_sums``, ``finish_mean`` and ``apply_window``.
-
-Every window of the library is closed here: by the functional API, the optax
-wrapper, the in-step loop and the data-parallel helpers. Finiteness and
-validity are decided once per window, by NaN-safe marks
-(``numerics.nonfinite_mark``) reduced over every manual mesh axis, so every
-shard of every replica reads the same ``finite`` and ``valid``. Why the close
-is laid out so (one read of the sums, a conditional the invalid window skips,
-the division fused into the optimizer): ``docs/design.md``, "Closing a
-window".
-"""
+"""The one close path (``finish``, ``close``) of every window: division,
+validity marks, the cross-replica round. Rationale: ``docs/design.md``,
+"Closing a window"."""
 
 from __future__ import annotations
 
@@ -40,42 +31,22 @@ def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
   return (weight > 0) & jnp.isfinite(weight) & validation.scale_ok(loss_scale)
 
 
-#: Divisors above this are scaled down with their dividend (see _divisors).
+#: A divisor above this is scaled down by it (its reciprocal would be subnormal).
 _BIG = 2.0**64
 
 
 def _divisors(
   loss_scale: jax.Array, weight: jax.Array, ct: Any, check: bool
 ) -> tuple[jax.Array, jax.Array]:
-  """The factors ``(f1, f2)`` in ``ct`` that a leaf ``x`` is multiplied by
-  in this order, ``(x * f1) * f2``, to divide it by the loss scale, then by
-  the weight.
-
-  Each division is a multiplication by a reciprocal (as XLA compiles a
-  division by a scalar anyway; within an ulp of it): cheap enough for XLA
-  to fuse into every loop that reads the result (an optimizer's), where a
-  division of each element would be written out first. ``f1`` is ``1 /
-  loss_scale`` and ``f2`` is ``1 / weight``, never their product (which
-  overflows or underflows at float32's edges), but that a reciprocal above
-  ``2**126`` would be subnormal, flushed to zero: a divisor above ``2**64``
-  is divided by ``2**64`` in its own factor and the ``2**-64`` moves to the
-  other one (exact; a factor is subnormal only when both divisors exceed
-  ``2**62``). Each factor ends in a division, which XLA computes once
-  rather than copying the scalar work into every leaf's loop. With
-  ``check``, where the divisors are unusable ``f1`` is 0 and ``f2`` 1.
-  """
+  """Factors ``(f1, f2)`` with ``(x * f1) * f2 == x / loss_scale / weight``,
+  dividing by the larger divisor first (docs/design.md, "Closing a window")."""
   ls, w = loss_scale.astype(ct), weight.astype(ct)
   one, zero = jnp.ones((), ct), jnp.zeros((), ct)
   ok = usable_divisors(loss_scale, weight) if check else w > 0
   ls, w = jnp.where(ok, ls, one), jnp.where(ok, w, one)
-  # Powers of two picked by selects, one division per factor: XLA
-  # reassociates products and quotients of scalars (``(a / b) / (c / d)``
-  # becomes ``(a * d) / (b * c)``), which could overflow here.
-  small = jnp.asarray(1.0 / _BIG, ct)
-  down_ls = jnp.where(ls > _BIG, small, one)
-  big_w = w > _BIG
-  keep = jnp.where(ok, jnp.where(big_w, small, one), zero)
-  return keep / (ls * down_ls), down_ls / (w * jnp.where(big_w, small, one))
+  big, small = jnp.maximum(ls, w), jnp.minimum(ls, w)
+  down = jnp.where(big > _BIG, jnp.asarray(1.0 / _BIG, ct), one)
+  return jnp.where(ok, one, zero) / (big * down), down / small
 
 
 def divide(
@@ -86,26 +57,10 @@ def divide(
   wide: bool = False,
   usable: bool = False,
 ) -> Any:
-  """``(sums / loss_scale) / weight`` per leaf: 0 where the divisors are not
-  usable, NaN where the sum was NaN or Inf (so the result alone tells a
-  non-finite pending value, NaN, from an overflow of the mean, Inf).
-
-  Two divisions in at least float32, in this order, never one by
-  ``loss_scale * weight``: the product overflows or underflows float32 at
-  its edges (a scale of ``2**-126`` and a weight of ``0.5``; ``2**100`` and
-  ``1e10``) where the two divisions do not. XLA rewrites ``(a / b) / c``
-  into ``a / (b * c)``; here each division is a multiplication by its own
-  reciprocal (:func:`_divisors`), which XLA keeps apart
-  (``tests/xla/test_division_order.py`` reads the compiled program).
-  Arithmetic, not selects: XLA:CPU fuses it into a reduction that reads
-  the result (a select it writes out first).
-
-  Each result leaf has its sum's dtype, or with ``wide`` the compute dtype
-  (at least float32: when ``weight * loss_scale < 1`` the mean can exceed
-  float16's range although the sums do not). ``usable=True`` (inside a
-  ``lax.cond`` on a valid window: finite sums, usable divisors) skips the
-  divisor check and the NaN marks.
-  """
+  """``sums / loss_scale / weight`` per leaf (at least float32, the larger
+  divisor first); 0 where the divisors are unusable, NaN where a sum is not
+  finite. ``wide``: in the compute dtype; ``usable``: the divisors are known
+  usable and the sums finite (no checks)."""
   factors = {}
 
   def one(b):
@@ -128,16 +83,10 @@ def divide(
 def next_window(
   state: AccumState, next_loss_scale: Any = None, *, keep: Any = None
 ) -> AccumState:
-  """An empty window after ``state`` on fresh zero buffers (each on its
-  buffer's sharding), its counters as the table's ``at_finish`` says, its
-  loss scale ``next_loss_scale`` (validated; ``None``: unchanged).
-
-  Where ``keep`` is true the counters but the loss scale stay ``state``'s: a
-  window of zero total weight is not consumed, and its buffers are all zero,
-  so the fresh zeros are its own buffers. The next loss scale applies to a
-  kept window too: it holds no scaled value, and keeping the old scale would
-  divide the caller's next microbatches by the wrong factor.
-  """
+  """An empty window after ``state`` (fresh zero buffers, counters as the
+  table's ``at_finish`` says, loss scale ``next_loss_scale`` or unchanged).
+  Where ``keep``, the counters but the loss scale stay ``state``'s (a window
+  of zero total weight is not consumed)."""
   ls = state.loss_scale if next_loss_scale is None else next_loss_scale
   counters = base.at_finish(state, jnp.asarray(ls, state.loss_scale.dtype))
   if keep is not None:
@@ -204,30 +153,9 @@ def psum_window(
   plan: Any = None,
 ) -> tuple[Any, dict[str, jax.Array]]:
   """One collective round: the sums (each over the axes it varies over, or
-  as ``plan`` says) together with the per-replica ``scalars`` (always
-  summed over ``axes``; counts as float32, exact below 2**24).
-
-  A float32 weight pair (``weight_hi``, ``weight_lo`` among the scalars)
-  is summed exactly: each replica splits both parts into limbs of ``w``
-  bits (:func:`numerics.split_limbs`, ``w`` from the replica count) and
-  adds them, the limbs ride in the same ``psum`` as float32 values whose
-  sums are exact integers, and the pair is rebuilt from the summed limbs
-  (exact for per-replica totals below 2**48; fractions rounded once).
-  Summing ``hi`` and ``lo`` as two float32 values would round each sum.
-
-  Args:
-    sums: the buffers.
-    scalars: per-replica scalars by name.
-    axes: the data axes.
-    vma_on: whether varying types are tracked (else every buffer is summed
-      over every axis).
-    plan: per buffer leaf (flattening order), ``None`` (the default above)
-      or a :class:`LeafReduce`.
-
-  Returns:
-    The global sums (a scattered leaf is this replica's shard) and the
-    summed scalars, by name.
-  """
+  as ``plan`` says: a :class:`LeafReduce` per leaf) with the per-replica
+  ``scalars`` (summed over ``axes``; a float32 weight pair summed exactly in
+  limbs, :func:`numerics.split_limbs`). Returns ``(sums, scalars)``."""
   leaves, treedef = jax.tree.flatten(sums)
   plans = _plans(leaves, plan, axes, vma_on)
   out = list(leaves)
@@ -257,11 +185,9 @@ def psum_window(
 
 
 def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-  """Finiteness marks (0 or NaN) summed over every manual mesh axis of the
-  enclosing ``shard_map`` they vary over (all of them without varying
-  types), so every shard decides alike. A no-op outside ``shard_map``: under
-  ``jit`` the marks of sharded arrays are global already (XLA reduces them
-  across devices, and a sum cannot drop a NaN)."""
+  """Marks summed over the manual mesh axes they vary over (all of them
+  without varying types), so every shard decides alike; a no-op outside
+  ``shard_map``."""
   axes = tree_utils.manual_axes()
   if not axes:
     return marks
@@ -277,15 +203,8 @@ def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
 def gated_mark(
   sums: Any, mark: Callable[[Any], jax.Array], when: jax.Array | None
 ) -> jax.Array:
-  """The global mark ``mark(sums)`` (see :func:`global_marks`), read only
-  where ``when`` is true (0 elsewhere).
-
-  The read runs in a ``lax.cond`` whose outputs are one scalar: a step that
-  closes a window only sometimes (the optax wrapper) does not read its
-  buffers on the other steps, and the conditional that applies the window
-  need not be nested in another one (each conditional's outputs are copied
-  at its boundary by XLA's copy insertion, whose cost grows faster than the
-  number of leaves)."""
+  """The global ``mark(sums)``, read only where ``when`` (in a ``lax.cond``
+  with a scalar output; 0 elsewhere)."""
   if when is None:
     return global_marks((mark(sums),))[0]
   return lax.cond(
@@ -307,24 +226,64 @@ def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
 # ---------------------------------------------------------------- result --
 
 
-#: What a window's validity is read from (``result``'s ``check``): the
-#: pending sums (``finish_sums``), the sums divided by the loss scale (a
-#: close that applies the sum), or the mean.
+#: What validity reads: the sums, the sums over the loss scale, the mean.
 CHECKS = ("sums", "unscaled", "mean")
 
 
-def window_mark(sums: Any, scale: Any, weight: Any, check: str, dtypes: Any):
-  """The one validity read of a window (local; see :func:`global_marks`):
-  a float32 mark (:func:`numerics.range_mark`) that is NaN when a pending
-  sum is NaN/Inf, else +Inf when the result (``check``: the sums, the sums
-  divided by the loss scale, or the mean) does not fit the work dtype and
-  ``dtypes`` (what a close hands on, per leaf), else 0. The division is
-  :func:`divide`'s, fused into the read: nothing is written."""
+def _range_mark(sums: Any, loss_scale: Any, divisor: Any, dtypes: Any):
+  """:func:`window_mark` read from each leaf's largest magnitude: its
+  quotient (as :func:`divide` computes it, then cast to the dtype handed on;
+  rounding is monotone) is the largest, so the leaf fits iff that one does."""
+  marks, factors = [jnp.zeros((), jnp.float32)], {}
+  leaves = jax.tree.leaves(sums)
+  outs = [b.dtype for b in leaves] if dtypes is None else dtypes
+  for b, out in zip(leaves, outs):
+    if b.size == 0:
+      continue
+    ct = numerics.compute_dtype(b.dtype)
+    if ct not in factors:
+      factors[ct] = _divisors(loss_scale, divisor, ct, check=True)
+    f1, f2 = factors[ct]
+    zero, x = jnp.zeros((), ct), b.astype(ct)
+    if numerics.unpartitioned(b):  # one loop; else XLA gathers partials
+      fin, big = lax.reduce(
+        (x - x, jnp.abs(x)),
+        (zero, zero),
+        lambda u, v: (u[0] + v[0], jnp.maximum(u[1], v[1])),
+        tuple(range(b.ndim)),
+      )
+    else:
+      fin, big = jnp.sum(x - x), jnp.max(jnp.abs(x))
+    fits = jnp.isfinite(((big * f1) * f2).astype(b.dtype).astype(out))
+    marks.append((fin + jnp.where(fits, zero, jnp.inf)).astype(jnp.float32))
+  return sum(marks[1:], marks[0])
+
+
+def _narrows(sums: Any, dtypes: Any) -> bool:
+  """Whether a leaf is handed on in a dtype of smaller range than its own."""
+  if dtypes is None:
+    return False
+  pairs = zip(jax.tree.leaves(sums), dtypes)
+  return any(jnp.finfo(o).max < jnp.finfo(b.dtype).max for b, o in pairs)
+
+
+def window_mark(
+  sums: Any, loss_scale: jax.Array, weight: jax.Array, check: str, dtypes: Any
+) -> jax.Array:
+  """The window's local validity mark: NaN for a NaN/Inf pending sum, else
+  +Inf when the result (``check``) does not fit the work dtype or
+  ``dtypes`` (what a close hands on, per leaf), else 0."""
   if check == "sums":
     return numerics.tree_mark(sums)
   divisor = weight if check == "mean" else jnp.ones_like(weight)
-  divided = tree_utils.cast_to(divide(sums, scale, divisor), dtypes)
-  return numerics.tree_mark(divided, numerics.range_mark)
+  ranged = lambda t: _range_mark(t, loss_scale, divisor, dtypes)
+  if _narrows(sums, dtypes):  # finite sums may not fit what is handed on
+    return ranged(sums)
+  ls, d = (jnp.asarray(v, jnp.float32) for v in (loss_scale, divisor))
+  # Both divisors >= 1, or their product >= 2: finite sums give a result
+  # no larger than the sums, so the cheaper finiteness read decides.
+  shrinks = (jnp.minimum(ls, d) >= 1) | (ls >= 2 / d)
+  return lax.cond(shrinks, numerics.tree_mark, ranged, sums)
 
 
 def result(
@@ -339,26 +298,8 @@ def result(
   when: jax.Array | None = None,
   dtypes: Any = None,
 ) -> AccumulatedGradients:
-  """What a finish returns, from the (global) sums and weight.
-
-  ``finite`` says every PENDING sum is finite: what a dynamic loss scaler
-  reacts to (a mean that overflows float16 because ``weight * loss_scale <
-  1`` is no reason to lower the scale). ``valid`` is ``finite``, a usable
-  loss scale, with ``require_weight`` a positive finite ``weight``, and
-  unless ``check == "sums"`` a divided result (:func:`window_mark`) that
-  fits the work dtype: one decision for every close, whether it returns
-  the mean (``finish_mean``) or applies it (``close``), and in ``dtypes``.
-
-  With ``mean`` ``grads`` is the mean (``check="unscaled"``: the sums over
-  the loss scale; NaN where a pending sum was NaN/Inf) in ``dtypes``, and
-  the mark is read AFTER it is written (reading
-  the donated sums before would make XLA copy them); otherwise ``grads`` is
-  ``sums`` and ``check`` (default ``"sums"``) says what is read.
-
-  With ``when`` (a traced bool; not with ``mean``) the sums are read only
-  where it is true, inside a ``lax.cond`` whose only output is the mark
-  (see :func:`gated_mark`); elsewhere the result says valid.
-  """
+  """What a finish returns, from the global sums and weight; validity is
+  decided on the result in ``dtypes`` (per leaf, what is handed on)."""
   loss_scale = jnp.asarray(loss_scale)
   usable = validation.scale_ok(loss_scale)
   if require_weight:
@@ -381,6 +322,7 @@ def result(
     issued=jnp.asarray(issued).astype(jnp.int32),
     finite=finite,
     valid=finite & (mark == 0) & usable,
+    kind="mean" if mean else "sums",
   )
 
 
@@ -399,52 +341,8 @@ def finish(
   check: str | None = None,
   dtypes: Any = None,
 ) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
-  """Finishes ``state``'s window: the one finish path of the library.
-
-  Pure and traceable (no Python value checks: callers validate their inputs
-  first, ``next_loss_scale`` included); call it under ``jit``, inside
-  ``shard_map`` (with ``axes``), inside a ``lax.cond`` branch or a
-  ``lax.scan`` body.
-
-  Steps: (1) with ``axes``, one ``psum`` of the buffers together with the
-  table's ``SUMMED`` counters (weight pair, ``issued``) and ``extra``; (2)
-  the result (:func:`result`: finiteness and validity decided globally);
-  (3) the next window (:func:`next_window`), which with ``keep_empty`` keeps
-  the counters of a window of zero total weight.
-
-  Args:
-    state: the window (per replica when ``axes`` are given).
-    mean: divide (``finish_mean``) or return the still-scaled sums
-      (``finish_sums``; the closes divide inside their conditional).
-    keep_empty: keep the counters of a zero-weight window and require a
-      positive weight in ``out.valid`` (default: ``mean``).
-    next_loss_scale: the next window's loss scale, validated
-      (``validation.loss_scale``), ``None``, or a function of this window's
-      result returning it (a dynamic loss scale adjusted by ``out.finite``).
-    axes: the mesh axes to reduce over (inside ``shard_map``), or ``()``.
-    vma_on: whether ``shard_map`` tracks varying types (else every buffer
-      is summed over every axis); default: read from the axes.
-    extra: more per-replica scalars to sum in the same collective round.
-    plan: with ``axes``, how to reduce each buffer (see
-      :func:`psum_window`; FSDP buffers are reduce-scattered).
-    what: how to name the caller in errors.
-    when: a traced bool (``mean=False``, no ``axes``): read the sums'
-      finiteness only where it is true (see :func:`gated_mark`); the
-      result is meaningful only there.
-    check: with ``mean=False``, what ``out.valid`` reads (see
-      :func:`window_mark`): ``"sums"`` (the default), or what a close
-      applies, ``"mean"`` or ``"unscaled"`` (also with ``mean=True``).
-    dtypes: per leaf, the dtype the result is handed on in (and decided
-      in; ``None``: the work dtype).
-
-  Returns:
-    ``(out, new_state, extra_sums)``; every leaf of ``new_state`` keeps
-    ``state``'s varying type, so it may be a ``lax.scan`` carry.
-
-  Raises:
-    WeightedAccumulationError: with ``axes``, for a loss scale varying over
-      them.
-  """
+  """Finishes ``state``'s window: the one finish path (pure, traceable);
+  ``dtypes``: per leaf, the dtype the result is handed on (and decided) in."""
   keep_empty = mean if keep_empty is None else keep_empty
   check = check or ("mean" if mean else "sums")
   if check not in CHECKS or (mean and check == "sums"):
@@ -486,9 +384,13 @@ def finish(
 def reduce_finished(
   out: AccumulatedGradients, axes: Axes, *, what: str = "reduce_sums"
 ) -> AccumulatedGradients:
-  """The global mean from one replica's ``finish(state, mean=False)``
-  result: the same collective round and division as ``finish`` with
-  ``axes`` and ``mean=True`` (no state to reset)."""
+  """The global mean from one replica's ``finish_sums`` result (the same
+  collective round and division as :func:`finish` with ``axes``)."""
+  if out.kind != "sums":
+    raise WeightedAccumulationError(
+      f"{what}(out): out holds a {out.kind}, not finish_sums' sums; pass "
+      "this replica's finish_sums result."
+    )
   vma_on = tree_utils.vma_checked(axes)
   if vma_on:
     _check_scale_shared(out.loss_scale, axes, what)
@@ -521,45 +423,8 @@ def close(
   when: jax.Array | None = None,
   dtypes: Any = None,
 ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
-  """The close kernel of :func:`apply_window` and of the optax wrapper,
-  generic in what it applies.
-
-  The window's sums, weight, finiteness and validity come from
-  :func:`finish` (read in place, before anything else; valid as
-  ``finish_mean`` would say: a mean that does not fit the work dtype or
-  ``dtypes`` is never applied); then one ``lax.cond`` on the window's
-  validity runs either ``apply(mean, operands)`` (handed the window's mean
-  gradient in ``dtypes``, divided inside the branch so that XLA fuses
-  the division into the optimizer's loops; with ``mean=False`` the window's
-  sum, divided by the loss scale only) or ``skip(sums, operands)`` (an
-  invalid window: nothing advances).
-
-  Args:
-    state: the window to close (per replica when ``axes`` are given).
-    operands: what ``apply`` and ``skip`` transform (e.g. params and the
-      optimizer state); passed through the conditional.
-    apply: ``(mean_grads, operands) -> result`` for a valid window.
-    skip: ``(sums, operands) -> result`` (same structure) for an invalid
-      one; ``sums`` are the pending buffers.
-    next_loss_scale: as for :func:`finish`.
-    mean: hand ``apply`` the weighted mean (``True``) or the weighted sum.
-    axes: the data axes to reduce the window over (inside ``shard_map``).
-    when: a traced bool, for a step that closes the window only sometimes
-      (the optax wrapper): where false nothing is read and ``skip`` runs;
-      ``out`` and ``new_state`` are meaningful only where it is true. One
-      conditional either way (its predicate is ``when & valid``).
-    dtypes: per leaf, the dtype ``apply`` gets the mean in (and validity is
-      decided in; default: at least float32).
-
-  Returns:
-    ``(result, zero, new_state, out)``. ``zero`` is a 0 of the weight's
-    dtype computed by the conditional: filling the next window's buffers
-    from it orders that write after every read of the old buffers, so XLA
-    reuses them in place (fresh zeros, with no such dependence, make it copy
-    the donated buffers first). ``new_state`` is the next window (a window
-    of zero total weight keeps its counters; its buffers are zero); ``out``
-    describes the closed window, with ``grads=None``.
-  """
+  """The close kernel of ``apply_window`` and the optax wrapper; ``apply``
+  gets the mean in ``dtypes`` (validity is decided in them)."""
   out, new_state, _ = finish(
     state,
     mean=False,
@@ -586,7 +451,7 @@ def close(
 
   pred = out.valid if when is None else when & out.valid
   res, zero = lax.cond(pred, valid_branch, invalid_branch, out.grads, operands)
-  return res, zero, new_state, out.replace(grads=None)
+  return res, zero, new_state, out.replace(grads=None, kind="mean")
 
 
 def refill(state: AccumState, zero: jax.Array) -> AccumState:
