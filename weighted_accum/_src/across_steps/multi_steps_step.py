@@ -18,7 +18,6 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
@@ -22,10 +21,10 @@ from weighted_accum._src.across_steps.wrapper_state import (
 from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
 from weighted_accum._src.core import tree_utils
-from weighted_accum._src.core.open_window import _discard_kernel
-from weighted_accum._src.core.open_window import _peek_kernel
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
+from weighted_accum._src.core.open_window import _discard_kernel
+from weighted_accum._src.core.open_window import _peek_kernel
 from weighted_accum._src.errors import WeightedAccumulationError
 
 _HINT = (
