@@ -63,8 +63,7 @@ TOL = {
 #: (entry point, context) pairs that do not compute the documented result on
 #: today's main; each has an xfail(strict=True) regression test below. Empty
 #: this set as the fixes land.
-KNOWN_BROKEN: set[tuple[str, str]] = {
-}
+KNOWN_BROKEN: set[tuple[str, str]] = {}
 
 #: A value ``loss_fn`` closes over: eager calls must see its current value.
 #: It is 0 whenever a program is traced under ``jax.jit``.
