@@ -71,17 +71,14 @@ def leaf(spec: Any, axes: Axes, ndim: int, path: str, *, what: str) -> Leaf:
   return Leaf(spec, dim, lead)
 
 
-def _typed(x: Any) -> Any:
-  """The sharding of ``x``'s type, or None."""
-  try:
-    return jax.typeof(x).sharding
-  except (AttributeError, TypeError):
-    return None
-
-
 def find_mesh(arrays: list[Any], axes: Axes, *, what: str) -> Any:
   """The arrays' (types') mesh, else the context mesh, that has ``axes``."""
-  found = [getattr(_typed(x), "mesh", None) for x in arrays]
+  found = []
+  for x in arrays:
+    try:
+      found.append(jax.typeof(x).sharding.mesh)
+    except (AttributeError, TypeError):
+      continue
   for m in found + [jax.sharding.get_abstract_mesh()]:
     if m is not None and all(a in m.axis_names for a in axes):
       return m
@@ -89,19 +86,6 @@ def find_mesh(arrays: list[Any], axes: Axes, *, what: str) -> Any:
     f"{what}: the arrays are not on a mesh with the axes {axes}: "
     "jax.device_put them on one, or call under jax.set_mesh(mesh)."
   )
-
-
-def typed_axes(x: Any, axis: int) -> tuple[Any, Axes] | None:
-  """The mesh and Explicit axes typed on ``x``'s dimension ``axis``, or None."""
-  sharding = _typed(x)
-  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-  if mesh is None or spec is None or not getattr(mesh, "axis_names", ()):
-    return None
-  on = names(tuple(spec)[axis] if axis < len(spec) else None)
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
-  if not on or any(kinds[a] != AxisType.Explicit for a in on):
-    return None
-  return mesh, on
 
 
 def size(mesh: Any, axes: Axes) -> int:
