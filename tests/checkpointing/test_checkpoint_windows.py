@@ -26,6 +26,7 @@ import pytest
 from test_checkpoint import _bits
 from test_checkpoint import _restore
 from test_checkpoint import _save
+from test_checkpoint import _save_unchecked
 
 import _ckpt_child as child
 import weighted_accum as wa
@@ -289,20 +290,22 @@ def _corrupt(state, name, replica, value):
   ],
 )
 def test_stacked_counters_are_validated_per_replica(
-  tmp_path, name, value, needle
+  tmp_path, name, value, needle, monkeypatch
 ):
   mesh = _mesh()
   params, state = _fresh(mesh)
   state = child.stacked_run(state, 0, 1, mesh)
   bad = _corrupt(state, name, 2, value)
-  _save(tmp_path / "accum", bad)
+  _save_unchecked(tmp_path / "accum", bad, monkeypatch)
   template = wa.checkpoint.abstract_state(params, BF16, axis_name="data")
   with pytest.raises(Error) as info:
     _restore(tmp_path / "accum", template)
   assert "replica 2" in str(info.value) and needle in str(info.value)
 
 
-def test_nonzero_buffers_of_a_zero_weight_replica_are_refused(tmp_path):
+def test_nonzero_buffers_of_a_zero_weight_replica_are_refused(
+  tmp_path, monkeypatch
+):
   """Replica 1 fed only a zero-weight microbatch: its weight is 0, so its
   buffers must be zero; a save claiming otherwise is corrupt."""
   mesh = _mesh()
@@ -310,7 +313,7 @@ def test_nonzero_buffers_of_a_zero_weight_replica_are_refused(tmp_path):
   state = child.stacked_run(state, 0, 1, mesh)
   assert np.asarray(state.weight_hi)[1] == 0
   grads = jax.tree.map(lambda b: b.at[1].set(1.0), state.grads)
-  _save(tmp_path / "accum", state.replace(grads=grads))
+  _save_unchecked(tmp_path / "accum", state.replace(grads=grads), monkeypatch)
   template = wa.checkpoint.abstract_state(params, BF16, axis_name="data")
   with pytest.raises(Error, match="non-zero on replica 1.*weight is 0"):
     _restore(tmp_path / "accum", template)

@@ -1,11 +1,6 @@
 """Orbax checkpointing of windows of every kind: ``AccumSave``,
-``AccumRestore`` and their ``AccumCheckpointHandler`` (Orbax's handler
-protocol: save, restore, metadata). The saved form, the templates
-(``abstract_state``) and the checks of restored values are in
-``saved_form``.
-
-Usage, what is written and what restoring validates:
-``docs/checkpointing.md`` and ``docs/design.md`` ("Checkpoints").
+``AccumRestore`` and their ``AccumCheckpointHandler``; the saved form and
+its checks are in ``saved_form`` (``docs/checkpointing.md``).
 """
 
 from __future__ import annotations
@@ -42,24 +37,10 @@ __all__ = [
 
 
 def _check_restorable(s: AccumState, shown: str) -> None:
-  """Refuses to save a global window that :class:`AccumRestore` would refuse."""
-  if s.placement.kind != base.GLOBAL:
-    return
-  counters = sf.host_counters(s)
-  try:
-    valid = validation.saved_counters(
-      counters,
-      base.COUNTERS,
-      lambda name: base.dtype_of(name, s.dtype),
-      what="counters",
-    )
-    grads = jax.tree.map(sf.unwrap, s.grads)
-    accumulation.from_buffers(grads, grads, valid)
-  except WeightedAccumulationError as e:
-    raise WeightedAccumulationError(
-      f"AccumSave: the AccumState at {shown} cannot be restored ({e}), so it "
-      "is not saved; nothing was written."
-    ) from e
+  """Refuses to save a window that :class:`AccumRestore` would refuse."""
+  grads = jax.tree.map(sf.unwrap, s.grads)
+  saved = {sf.GRADS: grads, sf.COUNTERS: sf.host_counters(s)}
+  _restored(s, saved, f"AccumSave: the AccumState at {shown} (not saved)")
 
 
 @dataclasses.dataclass
@@ -99,13 +80,10 @@ class AccumRestore(ocp.args.CheckpointArgs):
       ``jax.eval_shape(wa.init, params)``), or the same pytree of states that
       was saved. Each array is placed like its template leaf: on its
       sharding; a ``ShapeDtypeStruct`` without one gets the saved sharding
-      when the current devices allow it; an uncommitted array (the scalars
-      of a fresh ``wa.init`` or ``tx.init``) comes back uncommitted. Dtypes
-      must match exactly. Only read, never modified. Its windows must be
-      of the saved kinds (``state.placement``): a stacked window restores
-      into ``abstract_state(params, dtype, axis_name=...)`` (or
-      ``jax.eval_shape`` of ``wa.init(..., axis_name=...)``) of as many
-      replicas; another kind or replica count is refused.
+      when the current devices allow it; an uncommitted array comes back
+      uncommitted. Dtypes, window kinds (``state.placement``) and replica
+      counts must match the saved ones (a stacked window restores into
+      ``abstract_state(params, dtype, axis_name=...)``). Never modified.
 
   Example:
     See :class:`AccumSave`.
@@ -117,10 +95,9 @@ class AccumRestore(ocp.args.CheckpointArgs):
 class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
   """Orbax handler for :class:`AccumSave` / :class:`AccumRestore`.
 
-  Built on ``ocp.PyTreeCheckpointHandler`` (OCDBT storage, asynchronous
-  commit); adds the accumulator's options to the item metadata and strict
-  validation on restore. ``CheckpointManager`` and ``ocp.args.Composite``
-  construct it from the args; direct use is rarely needed.
+  ``ocp.PyTreeCheckpointHandler`` (OCDBT, asynchronous commit) plus the
+  windows' options in the item metadata and strict validation on restore;
+  ``CheckpointManager`` builds it from the args.
 
   Example:
     >>> import tempfile, jax.numpy as jnp, orbax.checkpoint as ocp
@@ -137,12 +114,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
   """
 
   def __init__(self, *, use_ocdbt: bool = True):
-    """Creates the handler.
-
-    Args:
-      use_ocdbt: store arrays with TensorStore's OCDBT driver (Orbax's
-        default).
-    """
+    """Creates the handler (``use_ocdbt``: TensorStore's OCDBT driver)."""
     self._impl = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt)
 
   async def async_save(
@@ -158,39 +130,31 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       Commit futures that finish the write.
 
     Raises:
-      WeightedAccumulationError: for a traced state, one whose buffers are
-        not all in its work dtype, or one whose counters a restore would
-        refuse (e.g. the NaN loss scale of a window made unusable under
-        ``jit``); nothing is written.
+      WeightedAccumulationError: for a traced state, buffers not in the work
+        dtype, or counters a restore would refuse; nothing is written.
     """
     if not isinstance(args, AccumSave):
       raise WeightedAccumulationError(
         f"AccumCheckpointHandler.async_save: expected AccumSave(state), got "
-        f"{type(args).__name__}. Pass args=AccumSave(state)."
+        f"{type(args).__name__}."
       )
-    tree = args.state
-    states = {}
+    tree, states = args.state, {}
+    if any(_tree.is_traced(x) for x in jax.tree.leaves(tree)):
+      raise WeightedAccumulationError(
+        "AccumSave: the state holds traced values; save it outside jit."
+      )
     for key, (shown, s) in sf.accum_nodes(tree).items():
-      for path, leaf in zip(
-        _tree.leaf_paths(s.grads), jax.tree.leaves(s.grads)
-      ):
+      for path, leaf in _tree.flat(s.grads):
         if jnp.result_type(leaf) != s.dtype:
           raise WeightedAccumulationError(
             f"AccumSave: buffer {shown}.grads{path} has dtype "
-            f"{jnp.result_type(leaf)}, but the state's work dtype is "
-            f"{s.dtype}. Save states made by this library's functions."
+            f"{jnp.result_type(leaf)}, expected the work dtype {s.dtype}."
           )
+      _check_restorable(s, shown)
       states[sf.key(key)] = {
         "dtype": jnp.dtype(s.dtype).name,
         "placement": sf.placement_options(s),
       }
-    if any(_tree.is_traced(x) for x in jax.tree.leaves(tree)):
-      raise WeightedAccumulationError(
-        "AccumSave: the state holds traced values; save a concrete state "
-        "outside jit."
-      )
-    for shown, s in sf.accum_nodes(tree).values():
-      _check_restorable(s, shown)
     saveable = sf.split(tree, sf.host_counters)
     options = {
       sf.OPTIONS_KEY: {"format_version": sf.FORMAT_VERSION, "states": states}
@@ -215,9 +179,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._impl.finalize(directory)
 
   def metadata(self, directory: epath.Path) -> Any:
-    """The saved tree's Orbax metadata (accumulators as ``{'grads',
-    'counters'}`` dicts; options under ``custom_metadata['weighted_accum']``).
-    """
+    """The saved tree's Orbax metadata (options under ``'weighted_accum'``)."""
     return self._impl.metadata(directory)
 
   def close(self) -> None:
@@ -238,21 +200,18 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       saved windows, other leaves as saved.
 
     Raises:
-      WeightedAccumulationError: naming the item directory and the first
-        offending leaf path or field.
+      WeightedAccumulationError: naming the item and the first bad leaf.
     """
     where = f"AccumRestore({directory})"
     template = None if args is None else args.template
     if template is None:
       raise WeightedAccumulationError(
-        f"{where}: a template is required (AccumRestore(template)); pass "
-        "the current state or abstract_state(params, dtype)."
+        f"{where}: pass a template: the current state or abstract_state."
       )
     directory = epath.Path(directory)
     if not directory.is_dir():
       raise WeightedAccumulationError(
-        f"{where}: the item directory does not exist. The step was not "
-        "saved with this item, or its files were removed."
+        f"{where}: the item directory does not exist."
       )
     meta = self._read_metadata(directory, where)
     saved_states = self._check_options(meta.custom_metadata, where)
@@ -275,8 +234,6 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         directory,
         args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
       )
-    except WeightedAccumulationError:
-      raise
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise self._restore_failure(directory, e, where) from e
     out = self._rebuild(template, restored, where)
@@ -286,55 +243,34 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
   def _restore_failure(
     self, directory: epath.Path, e: Exception, where: str
   ) -> WeightedAccumulationError:
-    """Why a restore into the template failed: when the files read back in
-    their saved structure, the template differs from what was saved (e.g.
-    another optimizer's state); else the files are damaged."""
+    """Damaged files, or (they read back untemplated) another template."""
     try:
       self._impl.restore(directory)
     except Exception:  # pylint: disable=broad-exception-caught
-      return WeightedAccumulationError(
-        f"{where}: could not read the checkpoint's arrays "
-        f"({type(e).__name__}: {e}). Its files are missing, truncated or "
-        "corrupt (an interrupted copy?); restore another step."
-      )
+      return _damaged(where, "arrays", e)
     return WeightedAccumulationError(
-      f"{where}: the checkpoint's files are intact, but they do not fit the "
-      f"template ({type(e).__name__}: {e}). The template's tree differs "
-      "from the one that was saved (e.g. the state of another optimizer, "
-      "such as adam's for adamw's, or other container types). Restore with "
-      "a template built like the saving run's state."
+      f"{where}: the files are intact but do not fit the template ({e!r}): "
+      "build it like the saving run's state (same optimizer and containers)."
     )
 
   def _read_metadata(self, directory: epath.Path, where: str) -> Any:
     try:
       return self._impl.metadata(directory)
-    except FileNotFoundError as e:
-      raise WeightedAccumulationError(
-        f"{where}: the metadata file is missing ({e}). The item is "
-        "incomplete; restore another step."
-      ) from e
     except Exception as e:  # pylint: disable=broad-exception-caught
-      # Orbax reads _METADATA, then every array's TensorStore metadata.
-      raise WeightedAccumulationError(
-        f"{where}: could not read the item's metadata ({type(e).__name__}: "
-        f"{e}). Its files are missing, truncated or corrupt (an "
-        "interrupted copy?); restore another step."
-      ) from e
+      raise _damaged(where, "metadata", e) from e
 
   def _check_options(self, custom: Any, where: str) -> dict[str, Any]:
     options = custom.get(sf.OPTIONS_KEY) if isinstance(custom, dict) else None
     if not isinstance(options, dict):
       raise WeightedAccumulationError(
-        f"{where}: the item holds no '{sf.OPTIONS_KEY}' options, so it was "
-        "not written by AccumSave. Restore it with the args it was saved "
-        "with (e.g. ocp.args.StandardRestore)."
+        f"{where}: no '{sf.OPTIONS_KEY}' options: not written by AccumSave; "
+        "restore it with the args it was saved with."
       )
     version = options.get("format_version")
     if version not in sf.SUPPORTED_FORMAT_VERSIONS:
       raise WeightedAccumulationError(
-        f"{where}: option 'format_version' is {version!r}; this version of "
-        f"weighted_accum reads {list(sf.SUPPORTED_FORMAT_VERSIONS)}. Upgrade "
-        "weighted_accum to restore it."
+        f"{where}: option 'format_version' is {version!r}, expected one of "
+        f"{list(sf.SUPPORTED_FORMAT_VERSIONS)}: upgrade weighted_accum."
       )
     states = options.get("states")
     if not isinstance(states, dict) or not all(
@@ -342,8 +278,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       for v in states.values()
     ):
       raise WeightedAccumulationError(
-        f"{where}: option 'states' is malformed ({states!r}); the metadata "
-        "is corrupt."
+        f"{where}: option 'states' is malformed ({states!r})."
       )
     return states
 
@@ -353,52 +288,38 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     saved: dict[str, Any],
     where: str,
   ) -> None:
-    for path, (shown, s) in want.items():
-      key = sf.key(path)
-      if key not in saved:
-        raise WeightedAccumulationError(
-          f"{where}: the template has an AccumState at {shown}, but the "
-          "checkpoint has none there. Restore with a template of the "
-          "structure that was saved."
-        )
+    keys = {sf.key(p): shown_s for p, shown_s in want.items()}
+    extra = sorted(set(saved) - set(keys))
+    for key in [k for k in keys if k not in saved] + extra:
+      shown = keys[key][0] if key in keys else sf.show(sf.unkey(key))
+      has = "template" if key in keys else "checkpoint"
+      raise WeightedAccumulationError(
+        f"{where}: only the {has} has an AccumState at {shown}; restore into "
+        "a template of the saved structure."
+      )
+    for key, (shown, s) in keys.items():
       saved_dtype = validation.work_dtype(
         saved[key]["dtype"],
-        what=f"{where}: option 'dtype' of the AccumState at {shown} (the "
-        "checkpoint's metadata is corrupt, or needs jax_enable_x64)",
+        what=f"{where}: option 'dtype' of the AccumState at {shown}",
       )
       if saved_dtype != jnp.dtype(s.dtype):
         raise WeightedAccumulationError(
-          f"{where}: option 'dtype' of the AccumState at {shown} is "
-          f"{saved_dtype}, but the template's work dtype is "
-          f"{jnp.dtype(s.dtype)}. Orbax would cast the buffers silently; "
-          "this library refuses. Restore with abstract_state(params, "
-          f"dtype=jnp.{saved_dtype}) and convert explicitly if you must."
+          f"{where}: the AccumState at {shown} was saved in {saved_dtype}, "
+          f"the template's work dtype is {jnp.dtype(s.dtype)}: use "
+          f"abstract_state(params, dtype=jnp.{saved_dtype})."
         )
       sf.check_placement(saved[key].get("placement"), s, shown, where)
-    extra = sorted(set(saved) - {sf.key(p) for p in want})
-    if extra:
-      raise WeightedAccumulationError(
-        f"{where}: the checkpoint has an AccumState at "
-        f"{sf.show(sf.unkey(extra[0]))}, but the "
-        "template has none there. Restore with a template of the "
-        "structure that was saved."
-      )
 
   def _check_structure(
     self, flat_target: dict, flat_meta: dict, shown: dict, where: str
   ) -> None:
     missing, extra = _tree.diff_paths(list(flat_target), list(flat_meta))
-    if missing:
+    if missing or extra:
+      leaf = shown[missing[0]] if missing else sf.show(extra[0])
       raise WeightedAccumulationError(
-        f"{where}: leaf {shown[missing[0]]} of the template is missing from "
-        f"the checkpoint ({len(missing)} missing in all). Restore with a "
-        "template built from the params that were saved."
-      )
-    if extra:
-      raise WeightedAccumulationError(
-        f"{where}: the checkpoint has leaf {sf.show(extra[0])}, which the "
-        f"template lacks ({len(extra)} extra in all). Restore with a "
-        "template built from the params that were saved."
+        f"{where}: leaf {leaf} is {'missing from' if missing else 'extra in'} "
+        f"the checkpoint ({len(missing)} missing, {len(extra)} extra): "
+        "build the template from the params that were saved."
       )
 
   def _restore_arg(
@@ -420,9 +341,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
         sharding = saved.to_jax_sharding() if saved is not None else None
       except ValueError as e:
         raise WeightedAccumulationError(
-          f"{where}: template leaf {shown} has no sharding and the saved "
-          f"one ({saved}) does not fit the current devices. Pass a "
-          "template with shardings, e.g. abstract_state(params)."
+          f"{where}: template leaf {shown} has no sharding and the saved one "
+          f"({saved}) does not fit these devices: use abstract_state(params)."
         ) from e
     if sharding is None:
       return ocp.RestoreArgs(restore_type=np.ndarray)
@@ -443,17 +363,20 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       if not sf.is_accum(t):
         out.append(sf.like(t, r))
         continue
-      here = f"{where}: AccumState at {_tree.path_str(path)}"
-      if t.placement.kind == base.STACKED:
-        out.append(_stacked_window(t, r, here))
-      else:
-        out.append(_window(t, r, here))
+      out.append(
+        _restored(t, r, f"{where}: AccumState at {_tree.path_str(path)}")
+      )
     return treedef.unflatten(out)
 
 
+def _restored(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
+  """The window saved as ``r``, validated and placed like the template ``t``."""
+  stacked = t.placement.kind == base.STACKED
+  return (_stacked_window if stacked else _window)(t, r, here)
+
+
 def _window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
-  """A restored global (or per-replica, scalar-counter) window, validated by
-  ``from_buffers`` and placed like the template ``t``."""
+  """A restored scalar-counter window, validated and placed like ``t``."""
   counters = validation.saved_counters(
     r[sf.COUNTERS],
     base.COUNTERS,
@@ -464,14 +387,12 @@ def _window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
     s = accumulation.from_buffers(r[sf.GRADS], r[sf.GRADS], counters)
   except WeightedAccumulationError as e:
     raise WeightedAccumulationError(f"{here}: {e}") from e
-  # The saved work dtype (checked against t's): from_buffers can only infer
-  # it from the buffers, and a state without any gets float32.
+  # The saved work dtype: a state without buffers would get float32.
   s = s.replace(dtype=jnp.dtype(t.dtype), placement=t.placement)
   placed = {}
   for name in base.NAMES:
     like = sf.unwrap(getattr(t, name))
-    # An uncommitted template scalar (as from wa.init) stays uncommitted, so
-    # that it may meet buffers on any mesh under jit.
+    # An uncommitted template scalar (wa.init's) stays uncommitted.
     sharding = None if sf.uncommitted(like) else getattr(like, "sharding", None)
     value = getattr(s, name)
     placed[name] = sf.rewrap(
@@ -498,6 +419,13 @@ def _stacked_window(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
   }
   return AccumState(
     grads=grads, dtype=jnp.dtype(t.dtype), placement=t.placement, **placed
+  )
+
+
+def _damaged(where: str, what: str, e: Exception) -> WeightedAccumulationError:
+  return WeightedAccumulationError(
+    f"{where}: could not read the item's {what} ({e!r}): its files are "
+    "missing, truncated or corrupt; restore another step."
   )
 
 

@@ -1,13 +1,6 @@
-"""The saved form of a tree of windows: what ``AccumSave`` writes and how
-``AccumRestore`` reads it back, apart from Orbax's handler protocol.
-
-Each ``AccumState`` is saved as ``{'grads': ..., 'counters': {...}}``; the
-item's custom metadata holds, per state, its work dtype and its placement
-(global, per replica inside ``shard_map``, or stacked per replica with its
-replica count). This module builds that form, the templates
-(:func:`abstract_state`), and the checks of a restored window against its
-template: placement, leaf shapes and dtypes, counters (per replica for a
-stacked window) and the buffers of zero-weight windows.
+"""The saved form of a tree of windows: each ``AccumState`` as ``{'grads',
+'counters'}``, its work dtype and placement in the item's options; the
+templates (:func:`abstract_state`) and the checks of restored windows.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ from weighted_accum._src.core import numerics
 from weighted_accum._src.core import tree_utils as _tree
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout
 
 #: Key of this library's options in the item's Orbax custom metadata.
@@ -55,18 +49,15 @@ def abstract_state(
 ) -> AccumState:
   """An abstract ``AccumState`` for ``params``, each array on its sharding.
 
-  ``jax.eval_shape(wa.init, params)`` gives the same shapes but drops the
-  shardings; this keeps them, so :class:`AccumRestore` places every buffer
-  where ``wa.init(params, dtype, axis_name=axis_name)`` would.
+  Unlike ``jax.eval_shape(wa.init, params)`` it keeps the shardings, so
+  :class:`AccumRestore` places every buffer where ``wa.init`` would.
 
   Args:
-    params: concrete arrays or ``jax.ShapeDtypeStruct``s (with or without a
-      ``sharding``), e.g. the params of the new run, on any mesh.
+    params: arrays or ``jax.ShapeDtypeStruct``s (sharded or not), e.g. the
+      new run's params, on any mesh.
     dtype: the work dtype the checkpoint was saved in.
     axis_name: ``None`` for a global window; the data axes of a stacked
-      per-replica window (as given to ``wa.init`` outside ``shard_map``):
-      its per-replica fields get a leading replica axis, sharded over the
-      axes on the params' mesh.
+      per-replica window (as given to ``wa.init`` outside ``shard_map``).
 
   Returns:
     An ``AccumState`` of ``jax.ShapeDtypeStruct`` leaves.
@@ -84,25 +75,15 @@ def abstract_state(
   shapes = jax.eval_shape(
     functools.partial(accumulation.init, dtype=dtype), params
   )
-  if axis_name is not None:
-    axes = validation.axis_names(axis_name, what=_WHAT)
-    return _stacked_abstract(shapes, params, axes)
-
-  def with_sharding(sds, p):
-    sharding = getattr(p, "sharding", None)
-    return jax.ShapeDtypeStruct(sds.shape, sds.dtype, sharding=sharding)
-
-  return shapes.replace(grads=jax.tree.map(with_sharding, shapes.grads, params))
-
-
-_WHAT = "abstract_state(axis_name=...)"
-
-
-def _stacked_abstract(
-  shapes: AccumState, params: Any, axes: tuple[str, ...]
-) -> AccumState:
-  """The stacked window ``wa.init(params, axis_name=axes)`` makes outside
-  ``shard_map``, abstract."""
+  if axis_name is None:
+    with_sharding = lambda sds, p: jax.ShapeDtypeStruct(
+      sds.shape, sds.dtype, sharding=getattr(p, "sharding", None)
+    )
+    return shapes.replace(
+      grads=jax.tree.map(with_sharding, shapes.grads, params)
+    )
+  what = "abstract_state(axis_name=...)"
+  axes = validation.axis_names(axis_name, what=what)
   shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
   meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
   meshes = [
@@ -112,28 +93,25 @@ def _stacked_abstract(
   ]
   if not meshes:
     raise WeightedAccumulationError(
-      f"{_WHAT}: no param is on a mesh with the axes {axes} and no such mesh "
-      "is set (jax.set_mesh): pass params with their NamedShardings."
+      f"{what}: no param is on a mesh with the axes {axes} and none is set "
+      "(jax.set_mesh): pass params with their NamedShardings."
     )
-  mesh, head = meshes[0], spmd_layout.entry(axes)
-  n = spmd_layout.size(mesh, axes)
+  mesh, n = meshes[0], spmd_layout.size(meshes[0], axes)
 
-  def stacked(sds, p):
-    s = getattr(p, "sharding", None)
-    spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
-    spec = spec + (None,) * (len(sds.shape) - len(spec))
-    rest = tuple(spmd_layout.without(spec, axes))
-    sharding = NamedSharding(mesh, P(head, *rest))
-    return jax.ShapeDtypeStruct((n,) + sds.shape, sds.dtype, sharding=sharding)
+  def sds(shape, dtype, spec):
+    return jax.ShapeDtypeStruct(
+      shape, dtype, sharding=NamedSharding(mesh, spec)
+    )
+
+  def stacked(x, p):
+    spec = replicas.stacked_spec(p, axes)
+    return sds((n,) + x.shape, x.dtype, spec)
 
   def counter(name):
-    sds = getattr(shapes, name)
-    if name not in PER_REPLICA:
-      return jax.ShapeDtypeStruct(
-        sds.shape, sds.dtype, sharding=NamedSharding(mesh, P())
-      )
-    sharding = NamedSharding(mesh, P(head))
-    return jax.ShapeDtypeStruct((n,), sds.dtype, sharding=sharding)
+    x = getattr(shapes, name)
+    if name in PER_REPLICA:
+      return sds((n,), x.dtype, P(spmd_layout.entry(axes)))
+    return sds(x.shape, x.dtype, P())
 
   return shapes.replace(
     grads=jax.tree.map(stacked, shapes.grads, params),
@@ -179,8 +157,7 @@ def rewrap(like: Any, value: Any) -> Any:
 
 
 def plain_counters(s: AccumState) -> dict[str, Any]:
-  """The counters as arrays, unwrapped from ``nnx.Variable``s (they are saved
-  unwrapped, so an ``nnx.Optimizer``'s state restores into another's)."""
+  """The counters unwrapped from ``nnx.Variable``s, as they are saved."""
   return {k: unwrap(v) for k, v in s.counters.items()}
 
 
@@ -232,30 +209,24 @@ def placement_options(s: AccumState) -> dict[str, Any]:
 
 
 def _describe(options: dict[str, Any]) -> str:
-  kind = options.get("kind")
+  kind, axes = options.get("kind"), tuple(options.get("axes", ()))
   if kind == base.STACKED:
-    return (
-      f"a stacked per-replica window of {options.get('replicas')} replicas "
-      f"over the axes {tuple(options.get('axes', ()))}"
-    )
+    return f"a stacked window of {options.get('replicas')} replicas over {axes}"
   if kind == base.REPLICA:
     return (
-      f"a per-replica window (inside shard_map, reduce="
-      f"{options.get('reduce')!r}) over the axes "
-      f"{tuple(options.get('axes', ()))}"
+      f"a per-replica window (reduce={options.get('reduce')!r}) over {axes}"
     )
   return "a global window"
 
 
 def check_placement(saved: Any, t: AccumState, shown: str, where: str) -> None:
-  """Refuses a template of another window kind, replica count or reduce mode
-  than the saved window's."""
+  """Refuses a template of another kind, replica count or reduce mode."""
   if saved is None:  # format version 1: global windows only
     saved = {"kind": base.GLOBAL, "axes": [], "reduce": "window"}
   if not isinstance(saved, dict) or saved.get("kind") not in base.KINDS:
     raise WeightedAccumulationError(
       f"{where}: option 'placement' of the AccumState at {shown} is "
-      f"malformed ({saved!r}); the metadata is corrupt."
+      f"malformed ({saved!r})."
     )
   want = placement_options(jax.tree.map(unwrap, t))
   same = saved["kind"] == want["kind"] and (
@@ -263,23 +234,13 @@ def check_placement(saved: Any, t: AccumState, shown: str, where: str) -> None:
     if want["kind"] == base.STACKED
     else want["kind"] == base.GLOBAL or saved.get("reduce") == want["reduce"]
   )
-  if same:
-    return
-  hint = (
-    "Restore into a template of the saved kind: for a stacked window, "
-    "wa.checkpoint.abstract_state(params, dtype, axis_name=...) on a mesh "
-    f"of {saved.get('replicas')} replicas over those axes"
-    if saved["kind"] == base.STACKED
-    else "Restore into a template made like the saved window"
-  )
-  raise WeightedAccumulationError(
-    f"{where}: the checkpoint holds {_describe(saved)} at {shown}, but the "
-    f"template is {_describe(want)}. A window is not converted between "
-    "kinds or replica counts (the replicas' sums would be rounded in "
-    f"another order than the close's). {hint}; or, in the saving run, "
-    "close the window (finish) before saving and start the new run with "
-    "a fresh window of the kind it needs."
-  )
+  if not same:
+    raise WeightedAccumulationError(
+      f"{where}: the checkpoint holds {_describe(saved)} at {shown}, the "
+      f"template is {_describe(want)}: restore into a template of that kind "
+      "(abstract_state(params, dtype, axis_name=...)), or close the window "
+      "before saving."
+    )
 
 
 # ------------------------------------------------------------- leaves --
@@ -288,28 +249,22 @@ def check_placement(saved: Any, t: AccumState, shown: str, where: str) -> None:
 def check_leaf(
   leaf: Any, m: Any, role: str, expect: np.dtype | None, shown: str, where: str
 ) -> None:
-  """Refuses a template leaf whose dtype or shape differs from the saved one
-  (Orbax would cast or reshape silently)."""
-  if role == "buffer" and np.dtype(jnp.result_type(leaf)) != expect:
+  """Refuses a leaf whose dtype or shape differs (Orbax would convert it)."""
+  got = np.dtype(jnp.result_type(leaf))
+  if role == "buffer" and got != expect:
     raise WeightedAccumulationError(
-      f"{where}: template leaf {shown} has dtype "
-      f"{jnp.result_type(leaf)}, but its AccumState's work dtype is "
-      f"{expect}. Build the template with abstract_state(params, "
-      "dtype)."
+      f"{where}: template leaf {shown} has dtype {got}, expected the work "
+      f"dtype {expect}: use abstract_state(params, dtype)."
     )
   if np.shape(leaf) != tuple(m.shape):
     raise WeightedAccumulationError(
-      f"{where}: leaf {shown} has shape {tuple(m.shape)} in the "
-      f"checkpoint, but {np.shape(leaf)} in the template. Restore with "
-      "a template built from the params that were saved."
+      f"{where}: leaf {shown} has shape {tuple(m.shape)} in the checkpoint, "
+      f"{np.shape(leaf)} in the template."
     )
   if expect is not None and np.dtype(m.dtype) != expect:
     raise WeightedAccumulationError(
-      f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, "
-      f"but the template expects {expect}. Orbax would cast it "
-      "silently; this library refuses. Restore with a template of the "
-      "saved dtype (e.g. abstract_state(params, dtype=...)) and "
-      "convert explicitly."
+      f"{where}: leaf {shown} was saved as {np.dtype(m.dtype)}, the template "
+      f"has {expect}: use a template of the saved dtype."
     )
 
 
@@ -332,8 +287,7 @@ def role(
 
 
 def uncommitted(x: Any) -> bool:
-  """An array on the default device, free to join any computation (as the
-  scalars of a fresh ``wa.init`` or ``tx.init``)."""
+  """An uncommitted array (as the scalars of a fresh ``wa.init``)."""
   return isinstance(x, jax.Array) and not x.committed
 
 
@@ -356,8 +310,7 @@ def like(template_leaf: Any, value: Any) -> Any:
 def stacked_counters(
   saved: dict[str, Any], work_dtype: Any, here: str
 ) -> dict[str, np.ndarray]:
-  """A stacked window's saved counters, validated as ``N`` windows (each
-  replica's counters with the shared ones)."""
+  """A stacked window's saved counters, validated replica by replica."""
   n = int(np.shape(saved["weight_hi"])[0])
   rows = []
   for r in range(n):
@@ -395,14 +348,12 @@ def check_stacked_buffers(grads: Any, weight: np.ndarray, here: str) -> None:
     if bad.size:
       raise WeightedAccumulationError(
         f"{here}: leaf grads{path} is non-zero on replica {int(bad[0])}, "
-        "whose counters say its weight is 0 (only positive-weight "
-        "microbatches add to the buffers). The checkpoint is corrupt."
+        "whose weight is 0: the checkpoint is corrupt."
       )
 
 
 def place_counter(like_leaf: Any, value: Any, grads: Any) -> Any:
-  """A restored counter of a stacked window on the template's sharding, or (a
-  template without one) on the buffers' mesh as ``wa.init`` puts it."""
+  """A stacked window's counter on the template's or the buffers' mesh."""
   sharding = getattr(like_leaf, "sharding", None)
   if sharding is None:
     first = next(iter(jax.tree.leaves(grads)), None)

@@ -1,17 +1,11 @@
-"""Per-replica windows inside ``jax.shard_map``: ``make`` (the windows of
-``wa.init(..., axis_name=...)``), ``accumulate`` and ``finish`` (each reads
-the window's placement: its axes and reduce mode) and ``reduce_sums`` (one
-collective round per window). Local gradients (``local_grad``,
-``is_reduced``) are in ``local_grads``.
-
-Under plain ``jax.jit`` over global arrays none of this is needed. The two
-styles, the autodiff trap and when to reduce: ``docs/design.md`` ("Data
-parallelism").
+"""Per-replica windows inside ``jax.shard_map``: ``make`` (``wa.init(...,
+axis_name=...)``), ``accumulate`` (by the window's reduce mode) and
+``reduce_sums`` (one collective round). The styles and when to reduce:
+``docs/design.md`` ("Data parallelism").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import functools
 import math
 from typing import Any
@@ -32,35 +26,11 @@ from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.parallel import local_grads
 from weighted_accum._src.parallel import replicas
-
-AxisName = str | Sequence[str]
-
-REDUCE_MODES = base.REDUCE_MODES
-
-
-# ----------------------------------------------------------------- helpers --
-
-
-def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
-  return validation.bound_axes(axis_name, what=what)
+from weighted_accum._src.parallel.local_grads import AxisName
 
 
 def _axes_size(axes: tuple[str, ...]) -> int:
   return math.prod(jax.lax.axis_size(a) for a in axes)
-
-
-def _check_reduce(reduce: Any, what: str) -> str:
-  return validation.choice(
-    reduce,
-    REDUCE_MODES,
-    what=what,
-    name="reduce",
-    hint="Use 'window' (one all-reduce per window, the default) or "
-    "'microbatch'.",
-  )
-
-
-# ------------------------------------------------------------ accumulation --
 
 
 def make(
@@ -71,24 +41,34 @@ def make(
   loss_scale: ArrayLike,
 ) -> AccumState:
   """The per-replica window of ``wa.init(params, axis_name=...)``."""
-  what = "init"
-  reduce = _check_reduce(reduce, what)
+  reduce = validation.choice(
+    reduce,
+    base.REDUCE_MODES,
+    what="init",
+    name="reduce",
+    hint="Use 'window' (one all-reduce per window) or 'microbatch'.",
+  )
   s = accumulation.init(params, dtype=dtype, loss_scale=loss_scale)
   if not _tree.manual_axes():  # outside shard_map: a stacked window
-    names = validation.axis_names(axis_name, what=f"{what}(axis_name=...)")
+    names = validation.axis_names(axis_name, what="init(axis_name=...)")
     if reduce != "window":
       raise WeightedAccumulationError(
-        f"{what}(reduce={reduce!r}): outside shard_map, axis_name="
-        f"{axis_name!r} makes a stacked per-replica window, which reduces "
-        "once at its close (reduce='window'). Use reduce='window', or make "
-        "the window inside the shard_map that holds the replicas."
+        f"init(reduce={reduce!r}): a stacked window (axis_name outside "
+        "shard_map) reduces at its close: use reduce='window'."
       )
-    return replicas.init(s, params, names, what)
-  axes = _axes(axis_name, f"{what}(axis_name=...)")
-  if reduce == "microbatch":  # global sums: the same on every replica
-    return s.replace(placement=base.Placement(base.REPLICA, axes, reduce))
+    return replicas.init(s, params, names, "init")
+  axes = validation.bound_axes(axis_name, what="init(axis_name=...)")
   placed = s.replace(placement=base.Placement(base.REPLICA, axes, reduce))
+  if reduce == "microbatch":  # global sums: the same on every replica
+    return placed
   return replicas.as_varying(placed, axes)
+
+
+def _leaves(state: AccumState, grads: Any, axes: tuple[str, ...], what: str):
+  """The grads' leaves and whether autodiff already reduced them."""
+  leaves = accumulation.check_structure(state, grads, what)
+  paths = _tree.leaf_paths(state.grads)
+  return leaves, local_grads.leaf_status(leaves, paths, axes, f"{what}(grads)")
 
 
 def accumulate(
@@ -101,39 +81,32 @@ def accumulate(
   name: str,
 ) -> AccumState:
   """Adds a microbatch to a per-replica window inside its ``shard_map``."""
-  pl = state.placement
-  axes = _axes(pl.axes, name)
+  axes = state.placement.axes  # bound: placed.where checked
   add = functools.partial(
     accumulation.add, checked=checked, name=name, allow_reduced=True
   )
-  if pl.reduce == "microbatch":
+  if state.placement.reduce == "microbatch":
     contrib, gweight = reduce_microbatch(
       state, grads, weight, axes, mean=mean, what=name
     )
     new = add(state, contrib, gweight, mean=False)  # one per replica:
     return new.replace(issued=new.issued + (_axes_size(axes) - 1))
-  leaves = accumulation.check_structure(state, grads, name)
-  reduced = local_grads.leaf_status(
-    leaves, _tree.leaf_paths(state.grads), axes, f"{name}(grads)"
-  )
+  leaves, reduced = _leaves(state, grads, axes, name)
   if not reduced:
     return add(state, grads, weight, mean=mean)
-  contrib, gweight = global_contribution(
+  contrib, w = global_contribution(
     state, leaves, weight, axes, mean=mean, reduced=True, what=name
   )
-  # Reduced grads in a per-replica window: one replica owns the global
-  # contribution, the others add nothing; the close's psum restores it
-  # exactly (no division by the replica count, no rounding).
+  # One replica owns the global contribution, the others add nothing: the
+  # close's psum restores it exactly. The buffers are varying from here on.
   owner = jnp.all(jnp.stack([jax.lax.axis_index(a) == 0 for a in axes]))
-  gweight = validation.Weight(
-    jnp.where(owner, gweight.hi, 0.0),
-    jnp.where(owner, gweight.lo, 0.0),
-    gweight.ok,
+  w = validation.Weight(
+    jnp.where(owner, w.hi, 0.0), jnp.where(owner, w.lo, 0.0), w.ok
   )
-  # The window's buffers are per replica from here on (typed varying).
-  contrib = _tree.to_varying(contrib, axes)
-  treedef = jax.tree.structure(state.grads)
-  return add(state, jax.tree.unflatten(treedef, contrib), gweight, mean=False)
+  contrib = jax.tree.unflatten(
+    jax.tree.structure(state.grads), _tree.to_varying(contrib, axes)
+  )
+  return add(state, contrib, w, mean=False)
 
 
 def reduce_microbatch(
@@ -146,10 +119,7 @@ def reduce_microbatch(
   what: str,
 ) -> tuple[Any, validation.Weight]:
   """One microbatch's global contribution and weight (one collective round)."""
-  leaves = accumulation.check_structure(state, grads, what)
-  reduced = local_grads.leaf_status(
-    leaves, _tree.leaf_paths(state.grads), axes, f"{what}(grads)"
-  )
+  leaves, reduced = _leaves(state, grads, axes, what)
   contrib, gweight = global_contribution(
     state, leaves, weight, axes, mean=mean, reduced=reduced, what=what
   )
@@ -168,21 +138,15 @@ def global_contribution(
 ) -> tuple[list[Any], validation.Weight]:
   """The microbatch's global contribution to the sums and its global weight."""
   dt = state.dtype
-  # The converted weight, zero where invalid (subnormal or out-of-range
-  # weights follow the core's rules).
   wt = accumulation.convert_weight(state, weight, what)
   bad = ~jnp.asarray(wt.ok)
   w_ok = jnp.asarray(wt.hi) + jnp.asarray(wt.lo)
   if reduced and mean:
     if set(axes) & _tree.varying_axes(wt.hi):
       raise WeightedAccumulationError(
-        f"{what}(grads): these gradients of per-replica MEAN losses were "
-        f"already summed over {axes} by autodiff (the params are unvarying "
-        "there), which weights every replica equally whatever its item "
-        "count, and the weights differ per replica: this cannot be undone. "
-        "Differentiate with weighted_accum.distributed.local_grad (or "
-        f"jax.lax.pcast(params, {axes!r}, to='varying')), or differentiate "
-        "the loss SUM and use accumulate_sum."
+        f"{what}(grads): autodiff summed these per-replica MEAN gradients "
+        f"over {axes} though the weights differ per replica: differentiate "
+        "with distributed.local_grad, or the loss SUM with accumulate_sum."
       )
     # Every replica divided by the same count n: n * grads is the sum of the
     # replicas' loss-sum gradients, and the global weight is n * replicas.
@@ -194,8 +158,7 @@ def global_contribution(
   if reduced:
     return leaves, _global_weight([], wt, axes)[1]
   # Local gradients, reduce="microbatch": one psum of sums and weight.
-  take = ~bad & (w_ok > 0)
-  zero = jnp.zeros((), dt)
+  take, zero = ~bad & (w_ok > 0), jnp.zeros((), dt)
   contrib = [
     jnp.where(
       take,
@@ -210,8 +173,7 @@ def global_contribution(
 def _global_weight(
   sums: list[Any], wt: validation.Weight, axes: tuple[str, ...]
 ) -> tuple[list[Any], validation.Weight]:
-  """``sums`` and the weight pair summed in one collective round; any replica's
-  invalid weight rejects the microbatch on every replica."""
+  """``sums`` and the weight pair in one psum; one invalid weight rejects all."""
   scalars = {
     "weight_hi": jnp.asarray(wt.hi),
     "weight_lo": jnp.asarray(wt.lo),
@@ -226,20 +188,14 @@ def _global_weight(
   return sums, validation.Weight(hi, lo, ok)
 
 
-# --------------------------------------------------------------- reduction --
-
-
 def reduce_sums(
   out: AccumulatedGradients, axis_name: AxisName
 ) -> AccumulatedGradients:
   """The global mean from a replica's :func:`weighted_accum.finish_sums`.
 
-  One collective round (one ``psum`` of the sums together with the weight and
-  the microbatch count over ``axis_name``), then the division by the loss
-  scale and then by the global weight, in at least float32, result in the
-  work dtype. Sums that are unvarying over the axis are taken as already
-  global (summed by autodiff) and not summed again; weights are always
-  summed (each replica's own count).
+  One ``psum`` of the sums, weight and count over ``axis_name``, then the
+  divisions by the loss scale and the global weight in at least float32.
+  Sums unvarying over the axis (summed by autodiff) are not summed again.
 
   Args:
     out: this replica's ``finish_sums`` result.
@@ -271,7 +227,7 @@ def reduce_sums(
     >>> float(f({'w': jnp.zeros(())}, jnp.tile(jnp.arange(4.), n))['w'])
     1.5
   """
-  axes = _axes(axis_name, "reduce_sums")
+  axes = validation.bound_axes(axis_name, what="reduce_sums")
   validation.instance(
     out,
     AccumulatedGradients,

@@ -1,10 +1,7 @@
-"""Local gradients inside ``jax.shard_map``: ``local_grad``,
-``local_value_and_grad`` and ``is_reduced``.
-
-Inside ``shard_map`` with varying types, autodiff SUMS the gradient of an
-unvarying (replicated) param over the data axis. These functions tell the
-two kinds of gradient apart and differentiate each replica's own loss, so a
-per-replica window reduces once (``docs/scaling.md``).
+"""Local gradients inside ``jax.shard_map``: autodiff SUMS the gradient of a
+param unvarying over the data axis; ``local_grad`` differentiates each
+replica's own loss and ``is_reduced`` tells the two apart
+(``docs/scaling.md``).
 """
 
 from __future__ import annotations
@@ -21,15 +18,10 @@ from weighted_accum._src.errors import WeightedAccumulationError
 AxisName = str | Sequence[str]
 
 
-def _axes(axis_name: Any, what: str) -> tuple[str, ...]:
-  return validation.bound_axes(axis_name, what=what)
-
-
 def leaf_status(
   leaves: list[Any], paths: list[str], axes: tuple[str, ...], what: str
 ) -> bool:
-  """True when all leaves are already reduced over ``axes``, False when all are
-  local; raises for a mixture."""
+  """Whether all leaves are reduced over ``axes`` (False: all local)."""
   if not _tree.vma_checked(axes):
     return False
   status = None
@@ -38,34 +30,24 @@ def leaf_status(
     if v and v != set(axes):
       raise WeightedAccumulationError(
         f"{what}: leaf {path} varies over {sorted(v)} but not over "
-        f"{sorted(set(axes) - v)}; gradients must be either all local "
-        f"(varying over every axis of {axes}) or all already reduced. Get "
-        "them with weighted_accum.distributed.local_grad."
+        f"{sorted(set(axes) - v)}: get all-local grads with local_grad."
       )
-    reduced = not v
     if status is None:
-      status = (path, reduced)
-    elif status[1] != reduced:
-      kind = lambda r: "already reduced (unvarying)" if r else "local (varying)"
+      status = (path, not v)
+    elif status[1] == bool(v):
       raise WeightedAccumulationError(
-        f"{what}: leaf {path} is {kind(reduced)} over {axes} but leaf "
-        f"{status[0]} is {kind(status[1])}. Differentiate with respect to "
-        "all params in one way: weighted_accum.distributed.local_grad casts "
-        "them all to varying."
+        f"{what}: leaf {path} is {'local' if v else 'reduced'} over {axes} "
+        f"but leaf {status[0]} is not: differentiate with local_grad."
       )
   return bool(status and status[1])
-
-
-# ---------------------------------------------------------------- autodiff --
 
 
 def is_reduced(grads: Any, axis_name: AxisName) -> bool:
   """Whether ``grads`` were already summed over ``axis_name`` by autodiff.
 
-  Inside ``jax.shard_map`` (``check_vma=True``) the gradient with respect to
-  a param that is unvarying over the axis (passed with ``P()``) comes out
-  unvarying: autodiff summed it over the replicas. Local gradients (params
-  cast to varying, see :func:`local_grad`) vary over the axis.
+  Inside ``jax.shard_map`` (``check_vma=True``) the gradient of a param
+  unvarying over the axis (``P()``) comes out unvarying: summed over the
+  replicas. Local gradients (:func:`local_grad`) vary over the axis.
 
   Args:
     grads: a gradient tree computed inside ``shard_map``.
@@ -73,7 +55,7 @@ def is_reduced(grads: Any, axis_name: AxisName) -> bool:
 
   Returns:
     True for already-reduced gradients, False for local ones (and always
-    False under ``check_vma=False``, where autodiff does not reduce).
+    under ``check_vma=False``, where autodiff does not reduce).
 
   Raises:
     WeightedAccumulationError: for an unbound axis, or a tree mixing local
@@ -97,29 +79,21 @@ def is_reduced(grads: Any, axis_name: AxisName) -> bool:
     >>> seen
     [True, False]
   """
-  axes = _axes(axis_name, "is_reduced")
-  leaves = jax.tree.leaves(grads)
-  return leaf_status(leaves, _tree.leaf_paths(grads), axes, "is_reduced(grads)")
+  axes = validation.bound_axes(axis_name, what="is_reduced")
+  paths = _tree.leaf_paths(grads)
+  return leaf_status(jax.tree.leaves(grads), paths, axes, "is_reduced(grads)")
 
 
-def _cast_args(
-  args: tuple, argnums: int | Sequence[int], axes: tuple[str, ...]
-) -> tuple:
-  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  args = list(args)
-  for i in nums:
-    args[i] = _tree.to_varying(args[i], axes)
-  return tuple(args)
-
-
-def _on_local_params(
-  fn: Callable[..., Any], axis_name: AxisName, argnums: Any, what: str
-) -> Callable[..., Any]:
+def _on_local_params(fn: Callable[..., Any], axis_name, argnums, what: str):
   """``fn`` called with its differentiated arguments cast to varying."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
   def wrapped(*args, **kwargs):
-    axes = _axes(axis_name, what)
-    return fn(*_cast_args(args, argnums, axes), **kwargs)
+    axes = validation.bound_axes(axis_name, what=what)
+    args = [
+      _tree.to_varying(a, axes) if i in nums else a for i, a in enumerate(args)
+    ]
+    return fn(*args, **kwargs)
 
   return wrapped
 
@@ -134,10 +108,8 @@ def local_grad(
   """``jax.grad`` that returns this replica's own gradient inside shard_map.
 
   Casts the differentiated arguments to varying over ``axis_name`` first
-  (``jax.lax.pcast(..., to='varying')``; leaves that already vary are left
-  alone), so autodiff does NOT sum the gradient over the replicas. Feed the
-  result to the core or distributed ``accumulate_*`` and reduce once per
-  window with :func:`finish_mean`.
+  (``jax.lax.pcast(..., to='varying')``), so autodiff does NOT sum the
+  gradient over the replicas; the window reduces once at its close.
 
   Args:
     fun: the loss, as for ``jax.grad``.
@@ -156,15 +128,18 @@ def local_grad(
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
     >>> from weighted_accum import distributed as dist
-    >>> n = jax.device_count()
     >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
     >>> loss = lambda p, x: jnp.sum(x * p)
-    >>> f = jax.jit(jax.shard_map(
-    ...     lambda p, x: jax.lax.psum(dist.local_grad(loss, 'data')(p, x),
-    ...                               'data'),
-    ...     mesh=mesh, in_specs=(P(), P('data')), out_specs=P()))
-    >>> float(f(jnp.ones(()), jnp.ones(n))) == n   # the sum of n local grads
-    True
+    >>> def f(p, x):  # local values and grads, summed once
+    ...   g = dist.local_grad(loss, 'data')(p, x)
+    ...   return jax.lax.psum(dist.local_value_and_grad(loss, 'data')(p, x)
+    ...                       + (g,), 'data')
+    >>> x = jnp.arange(len(mesh.devices), dtype=jnp.float32)
+    >>> total, grad, grad2 = jax.jit(jax.shard_map(
+    ...     f, mesh=mesh, in_specs=(P(), P('data')), out_specs=P()))(
+    ...         jnp.ones(()), x)
+    >>> bool(total == x.sum()), bool(grad == x.sum()), bool(grad2 == grad)
+    (True, True, True)
   """
   grad_fn = jax.grad(fun, argnums=argnums, has_aux=has_aux)
   return _on_local_params(grad_fn, axis_name, argnums, "local_grad")
@@ -177,8 +152,9 @@ def local_value_and_grad(
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
 ) -> Callable[..., Any]:
-  """``jax.value_and_grad`` with this replica's own gradient; see
-  :func:`local_grad`.
+  """``jax.value_and_grad`` with this replica's own gradient.
+
+  See :func:`local_grad` (its example uses both).
 
   Args:
     fun: the loss, as for ``jax.value_and_grad``.
@@ -187,27 +163,14 @@ def local_value_and_grad(
     has_aux: as for ``jax.value_and_grad``.
 
   Returns:
-    A function returning ``(value, local_grads)`` (value is ``(loss, aux)``
-    when ``has_aux``); the value is this replica's local loss.
+    A function returning ``(value, local_grads)``, the value this replica's
+    loss (``(loss, aux)`` when ``has_aux``).
 
   Raises:
     WeightedAccumulationError: when called where ``axis_name`` is not bound.
 
   Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
-    >>> from weighted_accum import distributed as dist
-    >>> mesh = jax.sharding.Mesh(jax.devices(), ('data',))
-    >>> loss = lambda p, x: jnp.sum(x * p)
-    >>> def f(p, x):
-    ...   value, g = dist.local_value_and_grad(loss, 'data')(p, x)
-    ...   return jax.lax.psum((value, g), 'data')  # local values, summed once
-    >>> x = jnp.arange(len(mesh.devices), dtype=jnp.float32)
-    >>> total, grad = jax.jit(jax.shard_map(
-    ...     f, mesh=mesh, in_specs=(P(), P('data')), out_specs=P()))(
-    ...         jnp.ones(()), x)
-    >>> bool(total == x.sum()), bool(grad == x.sum())
-    (True, True)
+    See :func:`local_grad`.
   """
   vg_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
   return _on_local_params(vg_fn, axis_name, argnums, "local_value_and_grad")

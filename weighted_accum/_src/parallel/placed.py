@@ -1,7 +1,7 @@
-"""Where a window is read: the one placement check (:func:`where`) and the
-entry points' paths for every window but a global one under plain ``jit``,
-registered in ``base.PLACED`` for the core entry points (core does not
-import this layer). The contexts and what each computes: ``docs/scaling.md``.
+"""The one placement check (:func:`where`) and the entry points' paths for
+every window but a global one under plain ``jit``, registered in
+``base.PLACED`` (core does not import this layer). What each context
+computes: ``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from weighted_accum._src import validation
 from weighted_accum._src.core import accumulation
 from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
-from weighted_accum._src.core import open_window
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumState
@@ -29,7 +28,6 @@ from weighted_accum._src.parallel import spmd_layout as layout_
 #: window's block inside it; a stacked window under plain ``jit``.
 GLOBAL, REPLICA, BLOCK, STACKED = "global", "replica", "block", "stacked"
 
-
 #: The entry points that compute a mean (refuse a global window's local sums).
 MEANS = ("finish_mean", "peek_mean", "apply_window")
 
@@ -39,25 +37,22 @@ def _err(what: str, msg: str) -> WeightedAccumulationError:
 
 
 def where(state: AccumState, what: str, *, adds: bool = False) -> str:
-  """How ``state`` is read here, from its placement and this context
-  (``shard_map`` axes, the counters' shapes, the mesh); names a mismatch."""
+  """How ``state`` is read here (placement and context); names a mismatch."""
   pl, lead = state.placement, np.shape(state.weight_hi)
   manual = set(tree_utils.manual_axes())
   if pl.kind != base.STACKED and lead:
     raise _err(
       what,
-      f"a {pl.kind} window has scalar counters, this one "
-      f"{lead}: a jax.vmap batch of windows (read it under jax.vmap) or one "
-      "restored into a template of another kind (use its abstract_state).",
+      f"a {pl.kind} window has scalar counters, this one {lead}: read a "
+      "jax.vmap batch under jax.vmap; restore into this kind's template.",
     )
   if pl.kind == base.GLOBAL:
     local = manual & tree_utils.varying_axes(state.weight_hi)
     if local and what in MEANS:
       raise _err(
         what,
-        f"this global window holds per-replica sums over "
-        f"{tuple(sorted(local))}: make it with wa.init(params, axis_name=...)"
-        ", or close it with finish_sums and distributed.reduce_sums.",
+        f"this global window holds per-replica sums over {sorted(local)}: "
+        "use wa.init(params, axis_name=...), or finish_sums + reduce_sums.",
       )
     return GLOBAL
   if pl.kind == base.REPLICA:
@@ -65,12 +60,12 @@ def where(state: AccumState, what: str, *, adds: bool = False) -> str:
       return GLOBAL  # it holds the global sums and counts
     validation.bound_axes(pl.axes, what=f"{what}(state)")
     return REPLICA
-  if manual & set(pl.axes) and not tree_utils.bound(pl.axes):
+  inside = manual & set(pl.axes)
+  if inside and not tree_utils.bound(pl.axes):
     raise _err(
       what,
-      f"this window is stacked over {pl.axes}, but only "
-      f"{tuple(sorted(manual & set(pl.axes)))} are shard_map axes here; "
-      "enter shard_map over all of them (distributed.window_specs).",
+      f"stacked over {pl.axes}, but only {sorted(inside)} are shard_map "
+      "axes here: enter shard_map over all of them (window_specs).",
     )
   if tree_utils.bound(pl.axes):
     replicas.check_block(state, 1, what)
@@ -78,69 +73,59 @@ def where(state: AccumState, what: str, *, adds: bool = False) -> str:
   if adds:
     raise _err(
       what,
-      f"this window is stacked per replica over {pl.axes}: "
-      "add to it inside shard_map over those axes (distributed.window_specs), "
-      "or with f.accumulate of microbatched_value_and_grad(..., axis_name=...).",
+      f"stacked per replica over {pl.axes}: add to it inside shard_map "
+      "(window_specs) or by microbatched_value_and_grad(..., axis_name=...).",
     )
-  replicas.mesh_of(state, pl.axes, what)
+  mesh = layout_.find_mesh([state.weight_hi], pl.axes, what=what)
+  replicas.check_block(state, layout_.size(mesh, pl.axes), what)
   return STACKED
 
 
-def init(params, axis_name, reduce, dtype, loss_scale) -> AccumState:
-  """``wa.init(params, axis_name=...)``: see ``distributed.make``."""
-  return distributed.make(params, axis_name, reduce, dtype, loss_scale)
+def _on_block(fn, state: AccumState, *args, **kw):
+  """``fn`` on this replica's window of a stacked block, re-stacked after."""
+  axes = state.placement.axes
+  out = fn(replicas.unstack(state, axes, None), *args, **kw)
+  if isinstance(out, AccumState):
+    return replicas.stack(out, axes)
+  return tuple(
+    replicas.stack(x, axes) if isinstance(x, AccumState) else x for x in out
+  )
 
 
 def accumulate(state, grads, weight, *, mean, checked, name) -> AccumState:
   """Adds a microbatch as the window's placement says."""
-  at = where(state, name, adds=True)
-  if at == GLOBAL:  # inside shard_map: local grads mark the weight local
-    new = accumulation.add(
-      state, grads, weight, mean=mean, checked=checked, name=name
-    )
-    local = set(tree_utils.manual_axes()) & set().union(
-      *(
-        tree_utils.varying_axes(g) - tree_utils.varying_axes(b)
-        for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(state.grads))
-      )
-    )
-    axes = tuple(sorted(local))
-    return (
-      new.replace(
-        **{k: tree_utils.to_varying(getattr(new, k), axes) for k in window.PAIR}
-      )
-      if axes
-      else new
-    )
   kw = dict(mean=mean, checked=checked, name=name)
+  at = where(state, name, adds=True)
   if at == BLOCK:
-    axes = state.placement.axes
-    inner = accumulate(replicas.unstack(state, axes, name), grads, weight, **kw)
-    return replicas.stack(inner, axes)
-  return distributed.accumulate(state, grads, weight, **kw)
+    return _on_block(accumulate, state, grads, weight, **kw)
+  if at == REPLICA:
+    return distributed.accumulate(state, grads, weight, **kw)
+  new = accumulation.add(state, grads, weight, **kw)
+  # Inside shard_map local grads mark the global window's weight local.
+  local = set(tree_utils.manual_axes()) & set().union(
+    *(
+      tree_utils.varying_axes(g) - tree_utils.varying_axes(b)
+      for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(state.grads))
+    )
+  )
+  axes = tuple(sorted(local))
+  pair = {k: tree_utils.to_varying(getattr(new, k), axes) for k in window.PAIR}
+  return new.replace(**pair) if axes else new
 
 
-def finish_mean(state, ls, checked):
+def finish_mean(state, ls, checked, what: str = "finish_mean"):
   """``wa.finish_mean`` of a window that is not plain."""
-  at = where(state, "finish_mean")
+  at, axes = where(state, what), state.placement.axes
   if not tree_utils.is_traced(state.weight_hi):
-    validation.nonempty_window(state, what="finish_mean")
+    validation.nonempty_window(state, what=what)
+  if at == BLOCK:
+    return _on_block(finish_mean, state, ls, checked, what)
+  if at == STACKED:
+    return replicas.finish_mean(state, axes, ls, what)
   if at == GLOBAL:
     return finishing.finish_global(state, ls, checked)
-  if at == BLOCK:
-    axes = state.placement.axes
-    out, new = finish_mean(
-      replicas.unstack(state, axes, "finish_mean"), ls, checked
-    )
-    return out, replicas.stack(new, axes)
-  if at == STACKED:
-    return replicas.finish_mean(state, state.placement.axes, ls)
   out, new, _ = window.finish(
-    state,
-    mean=True,
-    next_loss_scale=ls,
-    axes=state.placement.axes,
-    what="finish_mean",
+    state, mean=True, next_loss_scale=ls, axes=axes, what=what
   )
   return out, new
 
@@ -153,106 +138,64 @@ def finish_sums(state, ls):
 
 
 def peek_mean(state):
-  """``wa.peek_mean`` of a window that is not plain."""
-  at = where(state, "peek_mean")
-  if not tree_utils.is_traced(state.weight_hi):
-    validation.nonempty_window(state, what="peek_mean")
-  if at == BLOCK:
-    state, at = (
-      replicas.unstack(state, state.placement.axes, "peek_mean"),
-      REPLICA,
-    )
-  if at == STACKED:
-    return _peek_stacked(state, state.placement.axes)
-  axes = state.placement.axes if at == REPLICA else ()
-  return open_window._peek_kernel(state, axes)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _peek_stacked(state: AccumState, axes: tuple[str, ...]):
-  """A stacked window's mean under plain ``jit``: one reduction first."""
-  glob = replicas.to_global(
-    state, axes, replicas.mesh_of(state, axes, "peek_mean")
-  )
-  return open_window._peek_kernel(glob, ())
+  """``wa.peek_mean``: the mean ``finish_mean`` gives, the window kept."""
+  return finish_mean(state, None, False, "peek_mean")[0]
 
 
 def apply_window(tx, state, params, opt_state, ls):
   """``wa.apply_window`` of a window that is not plain."""
-  what = "apply_window"
-  at = where(state, what)
+  at, axes = where(state, "apply_window"), state.placement.axes
   if at == BLOCK:
-    axes = state.placement.axes
-    p, o, new, out = apply_window(
-      tx, replicas.unstack(state, axes, what), params, opt_state, ls
-    )
-    return p, o, replicas.stack(new, axes), out
+    fn = functools.partial(apply_window, tx)
+    return _on_block(fn, state, params, opt_state, ls)
   if at != STACKED:
-    return finishing.apply_global(
-      tx,
-      state,
-      params,
-      opt_state,
-      ls,
-      state.placement.axes if at == REPLICA else (),
-    )
+    axes = axes if at == REPLICA else ()
+    return finishing.apply_global(tx, state, params, opt_state, ls, axes)
   tree_utils.match_tree(
     jax.tree.map(
       lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads
     ),
     params,
-    what=f"{what}(params)",
+    what="apply_window(params)",
     ref_name="the accumulator's buffers",
   )
-  return _apply_stacked(tx, state, params, opt_state, ls, state.placement.axes)
+  return _apply_stacked(tx, state, params, opt_state, ls, axes)
+
+
+def _explicit_leaves(params, axes: tuple[str, ...]) -> tuple:
+  """Each param's layout over Explicit data axes (reduce-scattered only where
+  its spec names no other Explicit axis; those are psummed)."""
+  out = []
+  for path, p in tree_utils.flat(params):
+    spec = jax.typeof(p).sharding.spec
+    e = layout_.leaf(spec, axes, p.ndim, path, what="apply_window")
+    on = {a for en in e.spec or () for a in layout_.names(en)}
+    out.append(e if on <= set(axes) else layout_.Leaf(e.spec))
+  return tuple(out)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _apply_stacked(tx, state, params, opt_state, next_loss_scale, axes):
   """A stacked window applied under plain ``jit``."""
-  mesh = replicas.mesh_of(state, axes, "apply_window")
-  leaves, explicit = None, layout_.explicit(mesh, axes, what="apply_window")
-  if explicit:
-    leaves = tuple(
-      layout_.leaf(
-        jax.typeof(p).sharding.spec, axes, p.ndim, path, what="apply_window"
-      )
-      for path, p in tree_utils.flat(params)
-    )
-    # A reduce-scatter cannot keep another Explicit axis: psum those.
-    leaves = tuple(
-      e
-      if {a for en in e.spec for a in layout_.names(en)} <= set(axes)
-      else layout_.Leaf(e.spec)
-      for e in leaves
-    )
-  glob = replicas.to_global(state, axes, mesh, leaves)
-  if explicit:
-    glob = glob.replace(
-      grads=jax.tree.map(
-        lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec),
-        glob.grads,
-        params,
-      )
-    )
+  mesh = layout_.find_mesh([state.weight_hi], axes, what="apply_window")
+  if not layout_.explicit(mesh, axes, what="apply_window"):
+    glob = replicas.to_global(state, axes, mesh)
+  else:
+    glob = replicas.to_global(state, axes, mesh, _explicit_leaves(params, axes))
+    reshard = lambda g, p: jax.sharding.reshard(g, jax.typeof(p).sharding.spec)
+    glob = glob.replace(grads=jax.tree.map(reshard, glob.grads, params))
   params, opt_state, closed, out = finishing._apply_window_kernel(
     tx, glob, params, opt_state, next_loss_scale, ()
   )
   return params, opt_state, replicas.next_window(state, closed), out
 
 
-def check(state: AccumState, what: str) -> AccumState:
-  """``state``, refused where its placement does not fit this context."""
-  where(state, what)
-  return state
-
-
 base.PLACED.update(
-  init=init,
+  init=distributed.make,
   accumulate=accumulate,
   finish_mean=finish_mean,
   finish_sums=finish_sums,
   peek_mean=peek_mean,
   apply_window=apply_window,
-  check=check,
+  check=where,
 )

@@ -1,8 +1,5 @@
-"""The data axes of a mesh: where a mesh is found, the axis types, and how
-a param's ``PartitionSpec`` lays it over the data axes (FSDP).
-
-Shared by the in-step ``data_axes`` path (``microbatching_spmd``) and the
-per-replica windows carried between jitted steps (``replicas``).
+"""The data axes of a mesh: where the mesh is, the axis types, and how a
+param's ``PartitionSpec`` lays it over the data axes (FSDP).
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ def without(spec: Any, axes: Axes) -> P:
 
 
 def leaf(spec: Any, axes: Axes, ndim: int, path: str, *, what: str) -> Leaf:
-  """A param's layout from its spec; refuses data axes on two dimensions or
-  after another axis in one entry (no tiled reduce-scatter yields that)."""
+  """A param's layout from its spec (data axes on one dimension, leading)."""
   if spec is None:
     return Leaf(None)
   if len(spec) > ndim:
@@ -69,48 +65,27 @@ def leaf(spec: Any, axes: Axes, ndim: int, path: str, *, what: str) -> Leaf:
   lead = on[: next((j for j, a in enumerate(on) if a not in axes), len(on))]
   if len(hits) > 1 or set(on[len(lead) :]) & set(axes):
     raise WeightedAccumulationError(
-      f"{what}: param {path} has spec {spec}; a param sharded over the "
-      f"data axes {axes} (FSDP) must be sharded over them on one dimension, "
-      "before any other axis of that dimension."
+      f"{what}: param {path} has spec {spec}; shard it over the data axes "
+      f"{axes} on one dimension, before any other axis there."
     )
   return Leaf(spec, dim, lead)
 
 
 def find_mesh(arrays: list[Any], axes: Axes, *, what: str) -> Any:
-  """The mesh ``arrays`` live on (their types'), else the context mesh
-  (``jax.set_mesh``), that has every one of ``axes``."""
+  """The arrays' (types') mesh, else the context mesh, that has ``axes``."""
   found = []
   for x in arrays:
     try:
       found.append(jax.typeof(x).sharding.mesh)
     except (AttributeError, TypeError):
       continue
-  found.append(jax.sharding.get_abstract_mesh())
-  for m in found:
+  for m in found + [jax.sharding.get_abstract_mesh()]:
     if m is not None and all(a in m.axis_names for a in axes):
       return m
   raise WeightedAccumulationError(
-    f"{what}: the arrays are not on a mesh with the axes {axes}. Put them "
-    "on one (jax.device_put(x, NamedSharding(mesh, spec))) or call under "
-    "jax.set_mesh(mesh)."
+    f"{what}: the arrays are not on a mesh with the axes {axes}: "
+    "jax.device_put them on one, or call under jax.set_mesh(mesh)."
   )
-
-
-def typed_axes(x: Any, axis: int) -> tuple[Any, Axes] | None:
-  """The mesh and the Explicit axes sharding ``x``'s dimension ``axis`` (from
-  its type), or ``None``."""
-  try:
-    sharding = jax.typeof(x).sharding
-  except (AttributeError, TypeError):
-    return None
-  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-  if mesh is None or spec is None or not getattr(mesh, "axis_names", ()):
-    return None
-  on = names(tuple(spec)[axis] if axis < len(spec) else None)
-  kinds = dict(zip(mesh.axis_names, mesh.axis_types))
-  if not on or any(kinds[a] != AxisType.Explicit for a in on):
-    return None
-  return mesh, on
 
 
 def size(mesh: Any, axes: Axes) -> int:
@@ -124,8 +99,7 @@ def explicit(mesh: Any, axes: Axes, *, what: str) -> bool:
   flags = {kinds[a] == AxisType.Explicit for a in axes}
   if len(flags) > 1:
     raise WeightedAccumulationError(
-      f"{what}: the data axes {axes} mix Explicit and Auto axis types; make "
-      "them all one type."
+      f"{what}: the data axes {axes} mix Explicit and Auto types; use one."
     )
   return flags.pop()
 
@@ -158,11 +132,8 @@ class DataParallel:
   """The data-parallel part of an in-step window: its axes and FSDP layout.
 
   Pass it as ``microbatched_value_and_grad(..., axis_name=DataParallel(...))``
-  where a plain axis name is not enough: under plain ``jax.jit`` with
-  ``Auto`` mesh axes, the params' ``PartitionSpec`` tree (which the types do
-  not carry there), and how the gradients of params sharded over a data
-  axis (FSDP) are reduced. A frozen, hashable value, validated when it is
-  made.
+  where an axis name is not enough: the params' specs under plain ``jit`` on
+  ``Auto`` axes, or how FSDP gradients are reduced. Frozen and hashable.
 
   Args:
     axis_name: the data axis name, or a tuple of names.
@@ -202,8 +173,7 @@ class DataParallel:
       FSDP_MODES,
       what=what,
       name="fsdp",
-      hint="'gather_once': one reduce-scatter per call from a full-size "
-      "carry; 'scatter_each': one per microbatch into a sharded carry.",
+      hint="Use 'gather_once' or 'scatter_each'.",
     )
     leaves, treedef = jax.tree.flatten(
       specs, is_leaf=lambda v: v is None or isinstance(v, P)
