@@ -109,23 +109,30 @@ def test_packed_arrays_hold_each_row_and_mask_its_tokens(case):
 def test_lognormal_batches_are_balanced_and_lightly_padded():
   """The issue's workload, by the cost model: 64-row batches of lognormal
   lengths (median 60) clipped to [8, 512], budget 4,096, buckets 32..512.
-  Slowest replica over the mean, averaged over 50 batches: <= 1.05 at 2
-  replicas, <= 1.10 at 4; padded / real tokens <= 1.6 on one."""
+  In every one of 50 batches the slowest replica is within 1.05 of the
+  ideal (the plan's cost over the replicas, or the costliest row where
+  that is more) at 2 replicas and 1.10 at 4 (with sub-shapes down to 1/16);
+  padded / real tokens <= 1.6 on one replica with the default sub-shapes."""
   rng = np.random.default_rng(0)
   draws = [
     np.clip(np.round(rng.lognormal(np.log(60), 1.0, 64)), 8, 512).astype(int)
     for _ in range(50)
   ]
-  for replicas, bound in ((1, 1.0), (2, 1.05), (4, 1.10)):
+  for replicas, bound in ((2, 1.05), (4, 1.10)):
     spec = planning.PlanSpec(
       buckets=(32, 64, 128, 256, 512), budget=4096, batch_rows=64,
-      replicas=replicas,
+      replicas=replicas, row_divisors=(1, 2, 4, 8, 16),
     )  # fmt: skip
-    plans = [pl.plan(spec, n, seed=i) for i, n in enumerate(draws)]
-    slowest = np.mean([p.costs.max() / p.costs.mean() for p in plans])
-    assert slowest <= bound, (replicas, slowest)
-    if replicas == 1:
-      tokens = sum(
-        r * n * c for p in plans for (r, n), c in zip(spec.shapes, p.counts[0])
-      )
-      assert tokens / sum(d.sum() for d in draws) <= 1.6
+    for i, n in enumerate(draws):
+      costs = pl.plan(spec, n, seed=i).costs
+      ideal = max(costs.mean(), _bucket_cost(spec, n.max()))
+      assert costs.max() <= bound * ideal, (replicas, i, costs)
+  spec = planning.PlanSpec(
+    buckets=(32, 64, 128, 256, 512), budget=4096, batch_rows=64
+  )
+  tokens = sum(
+    r * n * c
+    for d in draws
+    for (r, n), c in zip(spec.shapes, pl.plan(spec, d).counts[0])
+  )
+  assert tokens / sum(d.sum() for d in draws) <= 1.6

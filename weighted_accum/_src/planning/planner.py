@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -67,29 +68,26 @@ def _karmarkar_karp(costs: list[float], k: int) -> list[list[int]]:
   return [p[1] for p in heap[0][2]] if heap else [[] for _ in range(k)]
 
 
-def _greedy(costs: list[float], k: int) -> list[list[int]]:
-  """Longest processing time first: each item to the lightest part."""
-  loads, parts = [0.0] * k, [[] for _ in range(k)]
-  for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-    j = loads.index(min(loads))
-    loads[j] += costs[i]
-    parts[j].append(i)
-  return parts
-
-
 @functools.lru_cache(maxsize=64)
 def _options(spec: PlanSpec) -> list[list[tuple[int, int, float]]]:
   """Per bucket: the shapes a run led by a row of that bucket may take,
-  ``(rows, shape index, cost)``."""
-  shapes = spec.shapes
-  return [
-    [
-      (r, s, spec.shape_cost(r, length))
-      for s, (r, length) in enumerate(shapes)
-      if length >= bucket
-    ]
-    for bucket in spec.buckets
-  ]
+  ``(rows, shape index, cost)``, without those another takes more rows of
+  at no more cost (the cost of a suffix of rows never grows as it
+  shrinks)."""
+  out = []
+  for bucket in spec.buckets:
+    fits = sorted(
+      (-r, spec.shape_cost(r, n), s)
+      for s, (r, n) in enumerate(spec.shapes)
+      if n >= bucket
+    )
+    kept, cheapest = [], float("inf")
+    for r, cost, s in fits:  # most rows first
+      if cost < cheapest:
+        kept.append((-r, s, cost))
+        cheapest = cost
+    out.append(kept)
+  return out
 
 
 def _runs(buckets: list[int], options) -> tuple[float, list[tuple[int, int]]]:
@@ -97,20 +95,55 @@ def _runs(buckets: list[int], options) -> tuple[float, list[tuple[int, int]]]:
   runs, each a shape: the cheapest cut (a dynamic program). Returns the
   cost and ``(first row, shape)`` per run."""
   n = len(buckets)
-  best, choice = [0.0] * (n + 1), [(0, 0)] * n
+  best, choice = [0.0] * (2 * n + 1), [(0, 0)] * n  # best[j >= n] = 0
   for i in range(n - 1, -1, -1):
     top, pick = float("inf"), (0, 0)
     for rows, s, cost in options[buckets[i]]:
-      j = i + rows
-      c = cost + best[j if j < n else n]
+      c = cost + best[i + rows if rows <= n else n]
       if c < top:
-        top, pick = c, (j, s)
+        top, pick = c, (i + rows, s)
     best[i], choice[i] = top, pick
   runs, i = [], 0
   while i < n:
     runs.append((i, choice[i][1]))
-    i = min(n, choice[i][0])
+    i = choice[i][0]
   return best[0], runs
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _load(spec: PlanSpec, counts: tuple[int, ...]) -> float:
+  """The cheapest cut's cost of rows of ``counts[b]`` per bucket ``b``."""
+  rows = [b for b in range(len(counts) - 1, -1, -1) for _ in range(counts[b])]
+  return _runs(rows, _options(spec))[0]
+
+
+def _rebalance(spec: PlanSpec, counts: list[list[int]]) -> list[list[int]]:
+  """Replicas' rows per bucket, a row moved or two swapped between two
+  replicas while that lowers the replicas' costs, sorted, lexicographically
+  (the costliest first)."""
+  load = lambda c: _load(spec, tuple(c))
+  loads = [load(c) for c in counts]
+  nb = len(spec.buckets)
+  for _ in range(4 * sum(map(sum, counts))):
+    best, key = None, sorted(loads, reverse=True)
+    h = loads.index(key[0])
+    for l in (l for l in range(len(counts)) if l != h):
+      for b, c in itertools.product(range(nb), range(-1, nb)):
+        if not counts[h][b] or b == c or (c >= 0 and not counts[l][c]):
+          continue
+        a, z = list(counts[h]), list(counts[l])
+        a[b], z[b] = a[b] - 1, z[b] + 1
+        if c >= 0:  # a swap: a row of bucket c comes back
+          a[c], z[c] = a[c] + 1, z[c] - 1
+        new = list(loads)
+        new[h], new[l] = load(a), load(z)
+        got = sorted(new, reverse=True)
+        if got < key and not all(abs(x - y) < 1e-9 for x, y in zip(got, key)):
+          best, key = (h, l, a, z, new), got
+    if best is None:
+      return counts
+    h, l, counts[h], counts[l], loads = best
+  return counts
 
 
 def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
@@ -123,12 +156,18 @@ def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
   bucket = np.searchsorted(spec.buckets, pieces[:, LENGTH]).tolist()
   per_row = [spec.shape_cost(1, spec.buckets[b]) for b in bucket]
   k = spec.replicas
-  parts = _karmarkar_karp(per_row, k) if k > 1 else [list(range(n))]
-  if k > 1:
-    other = _greedy(per_row, k)
-    load = lambda ps: max(sum(per_row[i] for i in p) for p in ps)
-    parts = parts if load(parts) <= load(other) else other
   options, shapes = _options(spec), spec.shapes
+  parts = [list(range(n))]
+  if k > 1:
+    nb = len(spec.buckets)
+    counts = [np.bincount([bucket[i] for i in p], minlength=nb).tolist()
+              for p in _karmarkar_karp(per_row, k)]  # fmt: skip
+    counts = np.asarray(_rebalance(spec, counts))
+    # The rows (longest first, so by bucket, descending) to the replicas.
+    replica = np.concatenate(
+      [np.repeat(np.arange(k), c) for c in counts.T[::-1]]
+    )
+    parts = [np.flatnonzero(replica == r).tolist() for r in range(k)]
   where = [None] * n  # (replica, shape, slot, row in the microbatch)
   counts = [[0] * len(shapes) for _ in range(k)]
   costs = np.zeros(k)
