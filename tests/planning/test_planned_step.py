@@ -24,19 +24,6 @@ def _lengths(seed, n=12):
   return np.random.default_rng(seed).integers(0, 17, n).tolist()
 
 
-def test_one_compile_serves_every_batch():
-  spec = planning.PlanSpec(**SMALL)
-  f = jax.jit(planning.planned_value_and_grad(_loss_fn, spec, mode="sum"))
-  params = _params(jnp.float32)
-  for seed in range(6):
-    lengths = _lengths(seed)
-    batch = _batch(lengths, seed)
-    packed = planning.plan_batch(spec, batch, lengths, seed=seed)
-    _, out = f(params, packed)
-    assert _rel(out.grads, _reference(params, batch, packed)[1]) <= 2e-6
-  assert f._cache_size() == 1  # pylint: disable=protected-access
-
-
 def _aux_state_key_loss(p, mb, count, key):
   rows, mask = mb
   tl = _token_losses(p, rows["tokens"], rows["targets"])
