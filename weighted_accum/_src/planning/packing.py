@@ -3,6 +3,7 @@ and masks explicit; and ``plan_batch``, which plans and packs."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -84,33 +85,42 @@ def _lengths(spec: PlanSpec, lengths: Any) -> np.ndarray:
   return lengths.astype(np.int64)
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(spec: PlanSpec) -> tuple[np.ndarray, int]:
+  """Each shape's first token in one flat buffer of all shapes, and its
+  size."""
+  sizes = [spec.replicas * c * r * n for (r, n), c in
+           zip(spec.shapes, spec.capacities)]  # fmt: skip
+  return np.cumsum([0] + sizes[:-1]), sum(sizes)
+
+
 def pack(spec: PlanSpec, batch: Any, lengths: np.ndarray, plan) -> Packed:
-  """The batch's rows copied where ``plan`` puts them."""
-  longest = int(lengths.max(initial=0))
-  leaves, treedef = _leaves(batch, len(lengths), longest)
-  p = plan.pieces
-  width = min(spec.buckets[-1], max(1, longest))
-  cols = p[:, START, None] + np.arange(width)[None]
-  valid = np.arange(width)[None] < p[:, LENGTH, None]
-  gathered = [
-    x[p[:, ROW, None], np.minimum(cols, x.shape[1] - 1)] for x in leaves
-  ]
+  """The batch's rows copied where ``plan`` puts them: every shape a view
+  of one zeroed buffer per leaf, every real token written by one
+  scatter."""
+  leaves, treedef = _leaves(batch, len(lengths), int(lengths.max(initial=0)))
+  p, (first, size) = plan.pieces, _layout(spec)
+  caps, shapes = np.asarray(spec.capacities), np.asarray(spec.shapes)
+  rows, length = shapes[p[:, SHAPE], 0], shapes[p[:, SHAPE], 1]
+  slot = (p[:, REPLICA] * caps[p[:, SHAPE]] + p[:, SLOT]) * rows + p[:, POS]
+  n = p[:, LENGTH]
+  token = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+  dest = np.repeat(first[p[:, SHAPE]] + slot * length, n) + token
+  mask = np.zeros(size, np.float32)
+  mask[dest] = 1.0
+  arrays = []
+  for x in leaves:
+    src = np.repeat(p[:, ROW] * x.shape[1] + p[:, START], n) + token
+    flat = x.reshape((-1,) + x.shape[2:])
+    buf = np.zeros((size,) + x.shape[2:], x.dtype)
+    buf[dest] = flat[src]
+    arrays.append(buf)
   out = []
-  for s, ((rows, length), cap) in enumerate(zip(spec.shapes, spec.capacities)):
-    sel = np.flatnonzero(p[:, SHAPE] == s)
-    dest = (p[sel, REPLICA] * cap + p[sel, SLOT]) * rows + p[sel, POS]
-    size, keep = spec.replicas * cap * rows, valid[sel, :length]
-    take = min(length, width)
-    mask = np.zeros((size, length), np.float32)
-    mask[dest, :take] = keep[:, :take]
-    arrays = []
-    for x, g in zip(leaves, gathered):
-      a = np.zeros((size, length) + x.shape[2:], x.dtype)
-      part = g[sel, :take]
-      k = keep[:, :take].reshape(keep.shape[:1] + (take,) + (1,) * (x.ndim - 2))
-      a[dest, :take] = np.where(k, part, np.zeros((), x.dtype))
-      arrays.append(a)
-    out.append((jax.tree.unflatten(treedef, arrays), mask))
+  for s, ((r, L), cap) in enumerate(zip(spec.shapes, spec.capacities)):
+    at = slice(first[s], first[s] + spec.replicas * cap * r * L)
+    view = lambda a: a[at].reshape((-1, L) + a.shape[1:])
+    tree = jax.tree.unflatten(treedef, [view(a) for a in arrays])
+    out.append((tree, view(mask)))
   return Packed(spec, tuple(out), plan.counts, plan)
 
 
