@@ -20,6 +20,7 @@ from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad,
 )
+from weighted_accum._src.parallel.spmd_layout import DataParallel
 from weighted_accum._src.planning.packing import Packed
 from weighted_accum._src.planning.spec import PlanSpec
 
@@ -47,6 +48,7 @@ class _Planned:
   def __init__(self, loss_fn, spec, kw, axes, batch_argnum, state_argnums):
     self.spec, self.axes, self.pos = spec, axes, batch_argnum
     self.dtype, self.has_aux = kw["dtype"], kw["has_aux"]
+    self.grads_dtype = kw.pop("grads_dtype")
     self.roles = margs.configure(
       _WHAT, num_microbatches=1, microbatch_size=None,
       argnums=kw["argnums"], batch_argnums=batch_argnum, batch_argnames=(),
@@ -121,6 +123,11 @@ class _Planned:
     )
     window, total, _, aux, threaded = self.add(window, args)
     out, _ = finishing.finish_mean(window)
+    if self.grads_dtype is not None:
+      cast = lambda g, p: g.astype(
+        jnp.result_type(p) if self.grads_dtype == "params" else self.grads_dtype
+      )
+      out = out.replace(grads=jax.tree.map(cast, out.grads, self.params(args)))
     if self.axes is not None:  # the loss's sum over the replicas
       total = jax.lax.psum(total, self.axes)
     loss = (total / jnp.maximum(out.weight, 1e-30)).astype(jnp.float32)
@@ -160,6 +167,7 @@ def planned_value_and_grad(
   state_argnums: int | Sequence[int] = (),
   key_argnums: int | Sequence[int] = (),
   dtype: Any = jnp.float32,
+  grads_dtype: Any = None,
   loss_scale: Any = 1.0,
   axis_name: str | Sequence[str] | None = None,
 ) -> Callable[..., Any]:
@@ -180,14 +188,16 @@ def planned_value_and_grad(
       ``loss_fn`` returns (``(loss, weight)``, with aux, new state).
     spec: the :class:`PlanSpec` the batches are planned with.
     mode: ``"sum"`` or ``"mean"``, as the in-step function's.
-    has_aux, argnums, state_argnums, key_argnums, dtype: as the in-step
-      function's (keys are folded with the shape, then the slot).
+    has_aux, argnums, state_argnums, key_argnums, dtype, grads_dtype: as
+      the in-step function's (keys are folded with the shape, then the
+      slot).
     batch_argnum: the position of the packed batch.
     loss_scale: the window's loss scale (``f``'s ``loss_scale=`` overrides).
     axis_name: the data axes of ``spec.replicas`` replicas: ``f`` called
       inside ``jax.shard_map`` over them takes the whole packed batch split
       by replica, or under plain ``jit`` with ``jax.set_mesh`` runs its own
-      ``shard_map``; the window is reduced once.
+      ``shard_map``; the window is reduced once. The params are replicated:
+      for FSDP layouts (``DataParallel``), use the in-step function.
 
   Returns:
     ``f(*args, loss_scale=None)`` returning ``(loss, out)`` as the in-step
@@ -216,9 +226,18 @@ def planned_value_and_grad(
   """
   if not isinstance(spec, PlanSpec):
     raise WeightedAccumulationError(f"{_WHAT}(spec={spec!r}): pass a PlanSpec.")
+  if isinstance(axis_name, DataParallel):
+    raise WeightedAccumulationError(
+      f"{_WHAT}(axis_name=DataParallel(...)): plans run with replicated "
+      "params; pass the data axes' names, or for FSDP layouts use "
+      "wa.microbatched_value_and_grad(axis_name=DataParallel(...))."
+    )
   axes = validation.optional_axis_names(axis_name, what=f"{_WHAT}(axis_name)")
+  grads_dtype = validation.grads_dtype(
+    grads_dtype, what=f"{_WHAT}(grads_dtype)"
+  )
   kw = dict(mode=mode, has_aux=has_aux, argnums=argnums,
-            key_argnums=key_argnums, dtype=dtype)  # fmt: skip
+            key_argnums=key_argnums, dtype=dtype, grads_dtype=grads_dtype)  # fmt: skip
   if (axes is None) != (spec.replicas == 1):
     raise WeightedAccumulationError(
       f"{_WHAT}: spec.replicas={spec.replicas} with axis_name={axes!r}; "
