@@ -246,7 +246,10 @@ def run(cfg: h.Settings) -> dict:
         "signatures over 50 batches", r["distinct_signatures"], 1, where=where
       ),
       h.target(
-        "plan + pack ms per batch (median of best of 5)", r["plan_pack_ms"], 1.0, where=where
+        "plan + pack ms per batch (median of best of 5)",
+        r["plan_pack_ms"],
+        1.0,
+        where=where,
       ),
     ]
   return dict(config=c, rows=rows, targets=targets)

@@ -81,9 +81,17 @@ def test_work_is_balanced_and_the_plan_deterministic(case):
   plan = pl.plan(spec, lengths, seed)
   p = plan.pieces
   per = np.array([_bucket_cost(spec, k) for k in p[:, pl.LENGTH]])
-  loads = np.bincount(p[:, pl.REPLICA], per, minlength=spec.replicas)
-  if len(p):  # no replica above the mean by more than one piece
+  # Karmarkar-Karp's partition: no replica above the mean by more than one
+  # piece by the rows' padded costs; the exchange after it never makes the
+  # slowest replica slower by the cuts' exact costs.
+  parts = pl._karmarkar_karp(per.tolist(), spec.replicas)
+  loads = np.array([per[q].sum() for q in parts])
+  if len(p):
     assert loads.max() <= loads.mean() + per.max() + 1e-9
+  bucket = np.searchsorted(spec.buckets, p[:, pl.LENGTH])
+  nb = len(spec.buckets)
+  counts = [tuple(np.bincount(bucket[q], minlength=nb)) for q in parts]
+  assert plan.costs.max() <= max(pl._load(spec, c) for c in counts) + 1e-9
   again = pl.plan(spec, lengths, seed)
   assert np.array_equal(plan.pieces, again.pieces)
   assert np.array_equal(plan.counts, again.counts)

@@ -59,7 +59,9 @@ def _reference(params, batch, packed):
   width = max(1, int(pieces[:, 2].max(initial=1)))
   at = pieces[:, 1:2] + np.arange(width)
   mask = np.arange(width) < pieces[:, 2:3]
-  take = lambda x: np.where(mask, x[pieces[:, :1], np.minimum(at, x.shape[1] - 1)], 0)
+  take = lambda x: np.where(
+    mask, x[pieces[:, :1], np.minimum(at, x.shape[1] - 1)], 0
+  )
 
   def mean(p):
     tl = _token_losses(p, take(batch["tokens"]), take(batch["targets"]))

@@ -8,14 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_planned_conformance import D
+from test_planned_conformance import V
 from test_planned_conformance import _batch
 from test_planned_conformance import _loss_fn
 from test_planned_conformance import _params
 from test_planned_conformance import _reference
 from test_planned_conformance import _rel
 from test_planned_conformance import _token_losses
-from test_planned_conformance import D
-from test_planned_conformance import V
 
 import weighted_accum as wa
 from weighted_accum import planning
@@ -101,7 +101,9 @@ def _nll(model, tokens, targets):
 def test_a_whole_nnx_module_gets_the_full_batch_gradient():
   def loss_fn(model, mb):
     rows, mask = mb
-    return jnp.sum(_nll(model, rows["tokens"], rows["targets"]) * mask), mask.sum()
+    return jnp.sum(
+      _nll(model, rows["tokens"], rows["targets"]) * mask
+    ), mask.sum()
 
   spec = planning.PlanSpec(**SMALL)
   lengths = _lengths(3)
@@ -111,8 +113,9 @@ def test_a_whole_nnx_module_gets_the_full_batch_gradient():
   _, out = f(model, planning.plan_batch(spec, batch, lengths))
   mask = np.arange(max(lengths)) < np.asarray(lengths)[:, None]
   ref = nnx.grad(
-    lambda m: jnp.sum(_nll(m, batch["tokens"], batch["targets"]) * mask)
-    / mask.sum()
+    lambda m: (
+      jnp.sum(_nll(m, batch["tokens"], batch["targets"]) * mask) / mask.sum()
+    )
   )(model)
   assert isinstance(out.grads, nnx.State)
   assert _rel(out.grads, jax.tree.map(np.asarray, ref)) <= 2e-6

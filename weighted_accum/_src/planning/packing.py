@@ -116,11 +116,11 @@ def pack(spec: PlanSpec, batch: Any, lengths: np.ndarray, plan) -> Packed:
     buf[dest] = flat[src]
     arrays.append(buf)
   out = []
-  for s, ((r, L), cap) in enumerate(zip(spec.shapes, spec.capacities)):
-    at = slice(first[s], first[s] + spec.replicas * cap * r * L)
-    view = lambda a: a[at].reshape((-1, L) + a.shape[1:])
-    tree = jax.tree.unflatten(treedef, [view(a) for a in arrays])
-    out.append((tree, view(mask)))
+  for s, (_, n) in enumerate(spec.shapes):
+    end = first[s + 1] if s + 1 < len(first) else size
+    views = [a[first[s] : end].reshape((-1, n) + a.shape[1:]) for a in arrays]
+    view = mask[first[s] : end].reshape(-1, n)
+    out.append((jax.tree.unflatten(treedef, views), view))
   return Packed(spec, tuple(out), plan.counts, plan)
 
 

@@ -118,31 +118,31 @@ def _load(spec: PlanSpec, counts: tuple[int, ...]) -> float:
 
 
 def _rebalance(spec: PlanSpec, counts: list[list[int]]) -> list[list[int]]:
-  """Replicas' rows per bucket, a row moved or two swapped between two
-  replicas while that lowers the replicas' costs, sorted, lexicographically
-  (the costliest first)."""
+  """Replicas' rows per bucket, a row moved or two swapped between the
+  costliest replica and another while that lowers the replicas' costs
+  (sorted, costliest first, compared lexicographically)."""
   load = lambda c: _load(spec, tuple(c))
   loads = [load(c) for c in counts]
   nb = len(spec.buckets)
   for _ in range(4 * sum(map(sum, counts))):
     best, key = None, sorted(loads, reverse=True)
     h = loads.index(key[0])
-    for l in (l for l in range(len(counts)) if l != h):
+    for o in (o for o in range(len(counts)) if o != h):
       for b, c in itertools.product(range(nb), range(-1, nb)):
-        if not counts[h][b] or b == c or (c >= 0 and not counts[l][c]):
+        if not counts[h][b] or b == c or (c >= 0 and not counts[o][c]):
           continue
-        a, z = list(counts[h]), list(counts[l])
+        a, z = list(counts[h]), list(counts[o])
         a[b], z[b] = a[b] - 1, z[b] + 1
         if c >= 0:  # a swap: a row of bucket c comes back
           a[c], z[c] = a[c] + 1, z[c] - 1
         new = list(loads)
-        new[h], new[l] = load(a), load(z)
+        new[h], new[o] = load(a), load(z)
         got = sorted(new, reverse=True)
         if got < key and not all(abs(x - y) < 1e-9 for x, y in zip(got, key)):
-          best, key = (h, l, a, z, new), got
+          best, key = (h, o, a, z, new), got
     if best is None:
       return counts
-    h, l, counts[h], counts[l], loads = best
+    h, o, counts[h], counts[o], loads = best
   return counts
 
 
