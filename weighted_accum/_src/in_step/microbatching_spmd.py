@@ -27,6 +27,7 @@ from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.in_step import microbatch_args as margs
+from weighted_accum._src.in_step import microbatch_terms as terms
 from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout as layout_
 
@@ -432,7 +433,22 @@ def value_and_grad(
   dyn = [sp.leaves[i] for i in sp.dynamic]
   res, rngs = run_eagerly(cache, run, dyn, n_real, ls)
   margs.update_rngs(cfg.roles, args, rngs)
+  _refuse_empty(cfg, res[1].weight, norms)
   return res
+
+
+def _refuse_empty(cfg: Any, weight: Any, normalizers: Any) -> None:
+  """Eagerly refuses a window of total weight 0, as a call without ``axis_name``."""
+  if tree_utils.is_traced(jax.tree.leaves(weight)[0]):
+    return
+  weight = weight if isinstance(weight, dict) else {None: weight}
+  norms = validation.normalizers(normalizers, list(weight), what=_WHAT)
+  for g in terms.groups(list(weight), norms, cfg.mode):
+    if not any(weight[t] > 0 for t in g.terms):
+      raise WeightedAccumulationError(
+        f"{_WHAT}(axis_name={cfg.axes}): the call's total weight is 0 "
+        f"(terms {list(g.terms)}): no mean to take. Pass rows of positive weight."
+      )
 
 
 def _check_window(state: Any, lay: Layout, what: str) -> None:
