@@ -131,9 +131,10 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
 def _add(cfg, g, st, grads, ev) -> AccumState:
   w = terms.presence(ev, g.terms) if g.known else ev.weights[g.terms[0]]
   mean = cfg.mode == "mean" and not g.known
-  if cfg.spmd is not None:  # FSDP grads may be scattered each
-    return cfg.spmd.add(st, grads, w, mean=mean, name=_WHAT)
-  return accumulation.add(st, grads, w, mean=mean, name=_WHAT)
+  add = (
+    accumulation.add if cfg.spmd is None else cfg.spmd.add
+  )  # FSDP: scattered
+  return add(st, grads, w, mean=mean, name=_WHAT)
 
 
 def _tally(cfg, g, old, new, ev, sums) -> dict:
@@ -141,14 +142,9 @@ def _tally(cfg, g, old, new, ev, sums) -> dict:
   took = new.rejected == old.rejected
   sums = dict(sums)
   for t in g.terms:
-    wf = ev.weights[t].astype(_F32)
-    part = terms.part(cfg, ev, t)
-    use = took & (wf > 0)
-    loss_sum, w_sum = sums[t]
-    sums[t] = (
-      loss_sum + jnp.where(use, part, 0.0),
-      w_sum + jnp.where(took, wf, 0.0),
-    )
+    wf, (loss_sum, w_sum) = ev.weights[t].astype(_F32), sums[t]
+    part = jnp.where(took & (wf > 0), terms.part(cfg, ev, t), 0.0)
+    sums[t] = (loss_sum + part, w_sum + jnp.where(took, wf, 0.0))
   return sums
 
 
