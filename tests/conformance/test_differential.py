@@ -875,11 +875,6 @@ def test_wrapper_mean_past_float16_is_not_applied():
   assert not np.asarray(updates).any()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="eagerly with axis_name, a call of total weight 0 returns "
-  "valid=False where an eager call without axis_name raises",
-)
 def test_eager_zero_weight_call_raises_with_axis_name():
   mesh = mesh_of("auto")
   f = wa.microbatched_value_and_grad(

@@ -605,7 +605,7 @@ def test_state_inside_shard_map_is_per_replica():
     (dict(microbatch_size=4), "exactly one"),
     (dict(state_argnums=0), "both argnums and state_argnums"),
     (dict(key_argnums=1), "both batch_argnums and key_argnums"),
-    (dict(batch_argnums={1: 0.5}), "batch axis of argument 1 is 0.5"),
+    (dict(batch_argnums={1: 0.5}), r"batch_argnums' axes \(0.5,\)"),
     (dict(batch_argnums=[1, 2.5]), "batch_argnums"),
     (dict(in_axes=(0, 1)), r"batch_argnums=\{1: 0, 'mask': 1\}"),
     (dict(batch_argnames="x"), r"batch_argnames=\) .* batch_argnums=\("),

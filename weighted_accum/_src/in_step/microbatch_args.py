@@ -34,52 +34,35 @@ class Roles(NamedTuple):
   microbatch_size: int | None
 
 
-def _count(x: Any, what: str, hint: str) -> int | None:
-  if x is None:
-    return None
-  return validation.static_int(x, what=what, hint=hint)
-
-
-def _batch(what: str, batch: Any) -> tuple[tuple, tuple, Any]:
+def _batch(batch: Any) -> tuple[Any, tuple, Any]:
   """``batch_argnums`` as positions, keyword names and batch axes."""
   if batch is None:
-    return (), (), 0
-  axes = None
-  if isinstance(batch, Mapping):
-    for key, ax in batch.items():
-      if isinstance(ax, bool) or not isinstance(ax, (int, np.integer)):
-        raise WeightedAccumulationError(
-          f"{what}(batch_argnums={batch!r}): the batch axis of argument {key!r} is "
-          f"{ax!r}; map each batch argument to an int axis, e.g. {{1: 0}}."
-        )
-    axes = dict(batch)
+    return 1, (), 0  # the default: argument 1
   keys = [batch] if isinstance(batch, (str, int, np.integer)) else list(batch)
   names = tuple(k for k in keys if isinstance(k, str))
-  nums = tuple(k for k in keys if not isinstance(k, str))
   if isinstance(batch, (int, np.integer)):
-    nums = batch
-  if axes is None:
+    return batch, names, 0
+  nums = tuple(k for k in keys if not isinstance(k, str))
+  if not isinstance(batch, Mapping):
     return nums, names, 0
-  order = [k for k in keys if not isinstance(k, str)] + list(names)
-  return nums, names, tuple(axes[k] for k in order)
+  return nums, names, tuple(batch[k] for k in (*nums, *names))
 
 
 def configure(what: str, **kw: Any) -> Roles:
   """Validates the roles (each named in its error) and their disjointness."""
-  k = _count(
-    kw["num_microbatches"],
-    f"{what}(num_microbatches=...)",
-    "pass num_real_microbatches to run fewer without recompiling.",
+  hint = "pass num_real_microbatches to run fewer without recompiling."
+  k, size = (
+    None
+    if kw[n] is None
+    else validation.static_int(kw[n], what=f"{what}({n}=...)", hint=h)
+    for n, h in (("num_microbatches", hint), ("microbatch_size", ""))
   )
-  size = _count(kw["microbatch_size"], f"{what}(microbatch_size=...)", "")
   if (k is None) == (size is None):
     raise WeightedAccumulationError(
       f"{what}: pass exactly one of num_microbatches and microbatch_size."
     )
-  batch, names, in_axes = _batch(what, kw["batch_argnums"])
+  batch, names, in_axes = _batch(kw["batch_argnums"])
   names = validation.argnames(names, what=what, name="batch_argnums")
-  if kw["batch_argnums"] is None:  # the default: argument 1
-    batch = 1
   num = lambda name: validation.optional_argnums(
     kw[name] if name != "batch_argnums" else batch, what=what, name=name
   )
@@ -127,6 +110,15 @@ def _check_disjoint(what: str, roles: dict[str, tuple[int, ...]]) -> None:
 
 
 # ------------------------------------------------------------ one call --
+
+
+class Leaf(NamedTuple):
+  """A batch leaf: where it is, its batch axis and its size there."""
+
+  name: str
+  x: Any
+  axis: int
+  rows: int
 
 
 class Diff(NamedTuple):
@@ -229,14 +221,14 @@ def _refuse_nnx_state(what: str, n: int, x: Any) -> None:
       )
 
 
-def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
+def _batch_trees(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
+  """``(kind, where, tree)`` of each batch argument, the roles' indices checked."""
   for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums"):
     nums = getattr(roles, name)
     if nums and max(nums) >= len(args):
       raise WeightedAccumulationError(
         f"{what}: {name} {nums} but the function was called with "
-        f"{len(args)} positional argument(s). Pass the params at argnums "
-        "and the batch at batch_argnums (a position or a keyword name)."
+        f"{len(args)} positional argument(s); pass the params at argnums."
       )
   missing = [n for n in roles.batch_argnames if n not in kwargs]
   if missing:
@@ -244,11 +236,14 @@ def _check_indices(what: str, roles: Roles, args: tuple, kwargs: dict) -> None:
       f"{what}: batch_argnums names {missing[0]!r}, but the call has no "
       f"such keyword argument (got {sorted(kwargs)})."
     )
+  trees = [("arg", n, args[n]) for n in roles.batch_argnums]
+  return trees + [("kw", n, kwargs[n]) for n in roles.batch_argnames]
 
 
-def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
-  """``(name, leaf, axis, size)`` of every batch leaf."""
+def batch_leaves(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
+  """Each batch leaf (a :class:`Leaf`) of one call, checked."""
   out = []
+  trees = _batch_trees(what, roles, args, kwargs)
   for (kind, where, tree), ax in zip(trees, roles.in_axes):
     name = f"batch argument {where!r}" if kind == "kw" else f"argument {where}"
     for path, x in tree_utils.flat(tree):
@@ -259,12 +254,12 @@ def _batch_sizes(what: str, roles: Roles, trees: list) -> list:
           f"{what}: {name} leaf {path} has shape {np.shape(x)}, with no "
           f"batch axis {ax}; pass other values as another argument."
         )
-      out.append((f"{name} leaf {path}", x, a, np.shape(x)[a]))
+      out.append(Leaf(f"{name} leaf {path}", x, a, np.shape(x)[a]))
   return out
 
 
 def num_microbatches(what: str, roles: Roles, sizes: list) -> int:
-  b = sizes[0][3] if sizes else 0
+  b = sizes[0].rows if sizes else 0
   k = roles.num_microbatches
   if roles.microbatch_size is not None:
     k = max(b // roles.microbatch_size, 1)
@@ -296,64 +291,35 @@ def _reshape(x: Any, a: int, k: int, split: str) -> tuple[Any, int]:
   return y, a + 1 if split == "strided" else a
 
 
-def _batch_trees(roles: Roles, args: tuple, kwargs: dict) -> list:
-  trees = [("arg", n, args[n]) for n in roles.batch_argnums]
-  return trees + [("kw", n, kwargs[n]) for n in roles.batch_argnames]
-
-
-def batch_leaves(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
-  """``(name, leaf, axis, size)`` of one call's batch leaves, checked."""
-  _check_indices(what, roles, args, kwargs)
-  return _batch_sizes(what, roles, _batch_trees(roles, args, kwargs))
-
-
 def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
   """Checks one call's arguments against the roles and splits its batch."""
   sizes = batch_leaves(what, roles, args, kwargs)
-  trees = _batch_trees(roles, args, kwargs)
   k = num_microbatches(what, roles, sizes)
-  batch, pos = [], 0
-  for kind, where, tree in trees:
+  batch, it = [], iter(sizes)
+  for kind, where, tree in _batch_trees(what, roles, args, kwargs):
     leaves, treedef = jax.tree.flatten(tree)
-    split = [
-      _reshape(x, s[2], k, roles.split)
-      for x, s in zip(leaves, sizes[pos : pos + len(leaves)])
-    ]
-    pos += len(leaves)
-    batch.append(
-      Batch(
-        kind,
-        where,
-        treedef,
-        tuple(y for y, _ in split),
-        tuple(t for _, t in split),
-      )
-    )
+    split = [_reshape(x, next(it).axis, k, roles.split) for x in leaves]
+    ys, takes = zip(*split) if split else ((), ())
+    batch.append(Batch(kind, where, treedef, tuple(ys), tuple(takes)))
   for n in roles.key_argnums:
     for path, key in tree_utils.flat(args[n]):
       validation.random_key(key, what=f"{what}: argument {n} {path}")
   diffs = tuple(_diff(what, n, args[n]) for n in roles.argnums)
-  rows = sizes[0][3] if sizes else 0
+  rows = sizes[0].rows if sizes else 0
   return Call(tuple(args), dict(kwargs), k, tuple(batch), diffs, rows)
 
 
 def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
   """``(name, value, how to split it)`` of the arguments passed unchanged."""
-  roled = set(roles.argnums + roles.batch_argnums)
-  roled |= set(roles.state_argnums + roles.key_argnums)
-  out = [
-    (f"argument {n}", a, f"batch_argnums={(*roles.batch_argnums, n)}")
-    for n, a in enumerate(call.args)
-    if n not in roled
-  ]
-  return out + [
-    (
-      f"keyword argument {k!r}",
-      v,
-      f"batch_argnums={(*roles.batch_argnums, *roles.batch_argnames, k)}",
-    )
-    for k, v in call.kwargs.items()
-    if k not in roles.batch_argnames
+  roled = {*roles.argnums, *roles.batch_argnums, *roles.state_argnums}
+  roled |= set(roles.key_argnums)
+  out = [(f"argument {n}", a, n) for n, a in enumerate(call.args)]
+  out += [(f"keyword argument {k!r}", v, k) for k, v in call.kwargs.items()]
+  batch = (*roles.batch_argnums, *roles.batch_argnames)
+  return [
+    (s, v, f"batch_argnums={(*batch, k)}")
+    for s, v, k in out
+    if k not in roled and k not in roles.batch_argnames
   ]
 
 
@@ -473,6 +439,15 @@ def write_back(call: Call, roles: Roles, threaded: tuple) -> tuple:
   return threaded[:k]
 
 
+def fold_keys(roles: Roles, args: tuple, i: Any) -> list:
+  """``args`` with each random key folded with ``i``."""
+  fold = lambda key: jax.random.fold_in(key, i)
+  return [
+    jax.tree.map(fold, a) if n in roles.key_argnums else a
+    for n, a in enumerate(args)
+  ]
+
+
 def microbatch(
   call: Call,
   roles: Roles,
@@ -481,7 +456,7 @@ def microbatch(
   threaded: tuple[Any, ...],
 ) -> tuple[list[Any], dict]:
   """The arguments of microbatch ``i``."""
-  args, kwargs = list(call.args), dict(call.kwargs)
+  args, kwargs = fold_keys(roles, call.args, i), dict(call.kwargs)
   for b in call.batch:
     rows = [
       jax.lax.dynamic_index_in_dim(x, i, t, keepdims=False)
@@ -492,8 +467,6 @@ def microbatch(
       args[b.where] = tree
     else:
       kwargs[b.where] = tree
-  for n in roles.key_argnums:
-    args[n] = jax.tree.map(lambda key: jax.random.fold_in(key, i), args[n])
   for n, s in zip(roles.state_argnums, threaded):
     # Rebuilt here, in the trace that runs loss_fn: an NNX state's Variables
     # may then be mutated by it (flax refuses mutating one of an outer trace).

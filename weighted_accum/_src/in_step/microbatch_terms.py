@@ -6,6 +6,7 @@ Rationale: ``docs/microbatching.md``."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -65,10 +66,8 @@ def unpack(cfg: Any, res: Any) -> tuple[Any, Any, Any, tuple]:
   except (TypeError, ValueError):
     raise WeightedAccumulationError(
       f"{_WHAT}(loss_fn): it returned {type(got).__name__} "
-      f"{jax.tree.structure(got)}; with has_aux={cfg.has_aux} and "
-      f"state_argnums={roles.state_argnums} it must return {want}, where "
-      "weight is the microbatch's item count (e.g. mask.sum()) and loss a "
-      "scalar or a dict of loss terms."
+      f"{jax.tree.structure(got)}; with has_aux={cfg.has_aux}, state_argnums="
+      f"{roles.state_argnums} it must return {want} (loss: a scalar or dict)."
     ) from None
   return loss, weight, aux, states
 
@@ -138,17 +137,8 @@ def presence(ev: Eval, terms: tuple) -> jax.Array:
 # ---------------------------------------------------------------- closing --
 
 
-class _Closed(NamedTuple):
-  """Every window closed."""
-
-  outs: list
-  sums: dict
-  rejected: list
-
-
-def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> _Closed:
-  """Each window closed on the one finish path, in ``dtypes``: its mean, or
-  for known normalisers (terms divided already) its unscaled sum."""
+def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> tuple:
+  """Each window closed on the one finish path (in ``dtypes``): outs, sums, rejections."""
   names = list(carry.sums)
   extra = {f"loss{j}": carry.sums[t][0] for j, t in enumerate(names)}
   extra |= {f"weight{j}": carry.sums[t][1] for j, t in enumerate(names)}
@@ -172,7 +162,7 @@ def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> _Closed:
     ex = ex or got
   sums = {t: (ex[f"loss{j}"], ex[f"weight{j}"]) for j, t in enumerate(names)}
   rejected = [ex[f"rejected{j}"] for j in range(len(outs))]
-  return _Closed(outs, sums, rejected)
+  return outs, sums, rejected
 
 
 def _grads_dtypes(cfg: Any, call: margs.Call, work: Any) -> list:
@@ -185,10 +175,7 @@ def _grads_dtypes(cfg: Any, call: margs.Call, work: Any) -> list:
 
 
 def _all(flags: list) -> jax.Array:
-  out = jnp.bool_(True)
-  for f in flags:
-    out = out & f
-  return out
+  return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
 
 
 def _wide(x: jax.Array) -> jax.Array:
@@ -202,28 +189,27 @@ def _summed(outs: list) -> Any:
 
 
 def conclude(cfg, call, groups, norms, carry: Any):
-  """The exact loss (per term) and the gradient of their sum, with flags
-  decided on the gradient in the dtypes it is returned in."""
+  """The exact loss (per term) and the gradient of their sum, with flags."""
   dtypes = _grads_dtypes(cfg, call, carry.states[0].dtype)
   one = len(groups) == 1  # the gradient is its window's result
-  c = _finish_all(cfg, groups, carry, dtypes if one else None)
-  own = {g.terms[0]: o for g, o in zip(groups, c.outs) if not g.known}
+  outs, sums, rejected = _finish_all(
+    cfg, groups, carry, dtypes if one else None
+  )
+  own = {g.terms[0]: o for g, o in zip(groups, outs) if not g.known}
   weight, loss = {}, {}
-  for t, (loss_sum, w_sum) in c.sums.items():
+  for t, (loss_sum, w_sum) in sums.items():
     weight[t] = own[t].weight if t in own else w_sum
     loss[t] = (
       loss_sum / norms[t]
       if t in norms
       else jnp.where(weight[t] > 0, loss_sum / weight[t], 0.0)
     )
-  finite = _all([o.finite for o in c.outs])
-  finite = finite & _all([jnp.isfinite(s) for s, _ in c.sums.values()])
-  valid = finite & _all([o.valid for o in c.outs])
-  valid = valid & _all([r == 0 for r in c.rejected])
+  finite = _all([o.finite for o in outs])
+  finite = finite & _all([jnp.isfinite(s) for s, _ in sums.values()])
+  valid = finite & _all([o.valid for o in outs])
+  valid = valid & _all([r == 0 for r in rejected])
   valid = valid & _all([jnp.isfinite(v) for v in norms.values()])
-  grads = (
-    c.outs[0].grads if one else tree_utils.cast_to(_summed(c.outs), dtypes)
-  )
+  grads = outs[0].grads if one else tree_utils.cast_to(_summed(outs), dtypes)
   if not one:  # a sum of the windows' results may not fit where each did
     marks = (numerics.tree_mark(grads, numerics.range_mark),)
     valid = valid & (window.global_marks(marks)[0] == 0)
@@ -231,8 +217,8 @@ def conclude(cfg, call, groups, norms, carry: Any):
   out = AccumulatedGradients(
     grads=grads,
     weight=weight[None] if single else weight,
-    loss_scale=c.outs[0].loss_scale,
-    issued=c.outs[0].issued,
+    loss_scale=outs[0].loss_scale,
+    issued=outs[0].issued,
     finite=finite,
     valid=valid,
   )

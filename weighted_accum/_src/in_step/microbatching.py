@@ -92,11 +92,7 @@ class _Carry(NamedTuple):
 
 def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
   """Microbatch 0's evaluation shapes; the threaded states checked."""
-  values = margs.diff_values(call)
-
-  def first():
-    return _evaluate(cfg, call, 0, values, threaded)
-
+  first = lambda: _evaluate(cfg, call, 0, margs.diff_values(call), threaded)
   try:
     ev = jax.eval_shape(first)
   except (TypeError, ValueError) as e:
@@ -135,9 +131,10 @@ def _shapes(cfg: _Config, call: margs.Call, threaded: tuple) -> terms.Eval:
 def _add(cfg, g, st, grads, ev) -> AccumState:
   w = terms.presence(ev, g.terms) if g.known else ev.weights[g.terms[0]]
   mean = cfg.mode == "mean" and not g.known
-  if cfg.spmd is not None:  # FSDP grads may be scattered each
-    return cfg.spmd.add(st, grads, w, mean=mean, name=_WHAT)
-  return accumulation.add(st, grads, w, mean=mean, name=_WHAT)
+  add = (
+    accumulation.add if cfg.spmd is None else cfg.spmd.add
+  )  # FSDP: scattered
+  return add(st, grads, w, mean=mean, name=_WHAT)
 
 
 def _tally(cfg, g, old, new, ev, sums) -> dict:
@@ -145,14 +142,9 @@ def _tally(cfg, g, old, new, ev, sums) -> dict:
   took = new.rejected == old.rejected
   sums = dict(sums)
   for t in g.terms:
-    wf = ev.weights[t].astype(_F32)
-    part = terms.part(cfg, ev, t)
-    use = took & (wf > 0)
-    loss_sum, w_sum = sums[t]
-    sums[t] = (
-      loss_sum + jnp.where(use, part, 0.0),
-      w_sum + jnp.where(took, wf, 0.0),
-    )
+    wf, (loss_sum, w_sum) = ev.weights[t].astype(_F32), sums[t]
+    part = jnp.where(took & (wf > 0), terms.part(cfg, ev, t), 0.0)
+    sums[t] = (loss_sum + part, w_sum + jnp.where(took, wf, 0.0))
   return sums
 
 
@@ -292,20 +284,11 @@ def _prepare(cfg: _Config, args: tuple, kwargs: dict, n_real: Any):
   threaded = margs.states(call, cfg.roles)
   if axes:  # each replica its own keys and NNX RNG streams
     r = jax.lax.axis_index(axes)
-    call = call._replace(args=_replica_keys(cfg.roles, call.args, r))
+    call = call._replace(args=tuple(margs.fold_keys(cfg.roles, call.args, r)))
     k = len(cfg.roles.state_argnums)  # a module's streams; restored after
     threaded = threaded[:k] + margs.fold_rng_keys(threaded[k:], r)
     threaded = margs.vary(threaded, axes)
   return _Prepared(call, n_real, _shapes(cfg, call, threaded), threaded)
-
-
-def _replica_keys(roles: margs.Roles, args: tuple, r: Any) -> tuple:
-  """Each random key folded with this replica's index ``r``."""
-  fold = lambda key: jax.random.fold_in(key, r)
-  return tuple(
-    jax.tree.map(fold, a) if n in roles.key_argnums else a
-    for n, a in enumerate(args)
-  )
 
 
 def _with_state(cfg: _Config, call, result: Any, threaded: tuple) -> Any:
@@ -330,14 +313,12 @@ def _step(cfg: _Config, args, kwargs, n_real, loss_scale, normalizers):
   """``f``: one call's microbatches into fresh windows, closed."""
   p = _prepare(cfg, args, kwargs, n_real)
   names = list(p.ev.terms)
-  norms = validation.normalizers(
-    normalizers, names, what=f"{_WHAT}(...)(normalizers=...)"
-  )
-  for term, v in norms.items():  # one divisor for every replica
-    where = f"{_WHAT}(...)(normalizers=...)" + (
-      "" if term is None else f"[{term!r}]"
+  what = f"{_WHAT}(...)(normalizers=...)"
+  norms = validation.normalizers(normalizers, names, what=what)
+  for t, v in norms.items():  # one divisor for every replica
+    validation.shared(
+      v, cfg.axes, what=what + ("" if t is None else f"[{t!r}]")
     )
-    validation.shared(v, cfg.axes, what=where)
   groups = terms.groups(names, norms, cfg.mode)
   ls = call_scale(cfg, loss_scale)
   params = margs.as_params(p.call, margs.diff_values(p.call), cfg.roles)

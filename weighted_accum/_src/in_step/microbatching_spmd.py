@@ -27,6 +27,7 @@ from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.in_step import microbatch_args as margs
+from weighted_accum._src.in_step import microbatch_terms as terms
 from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout as layout_
 
@@ -63,10 +64,6 @@ class Layout(NamedTuple):
     """How the close reduces each buffer (``window.psum_window``)."""
     each = self.fsdp == "scatter_each"
     return layout_.plan(self.leaves, self.axes, scattered=each)
-
-  def grad_specs(self) -> list[Any]:
-    """Each gradient's ``shard_map`` out spec (manual axes only)."""
-    return [layout_.grad_spec(e) for e in self.leaves]
 
   def buffers(self, params: Any) -> Any:
     """The params, or with ``scatter_each`` each FSDP param's shard."""
@@ -146,22 +143,7 @@ def _refuse_roles(cfg: Any) -> None:
     )
 
 
-class _Batch(NamedTuple):
-  """A batch leaf: where it is, its batch axis and its size there."""
-
-  name: str
-  x: Any
-  axis: int
-  rows: int
-
-
-def _batch_leaves(cfg: Any, args: tuple, kwargs: dict) -> list[_Batch]:
-  return [
-    _Batch(*leaf) for leaf in margs.batch_leaves(_WHAT, cfg.roles, args, kwargs)
-  ]
-
-
-def _check_batch(cfg, batch: list[_Batch], k: int, n: int, is_explicit: bool):
+def _check_batch(cfg, batch: list, k: int, n: int, is_explicit: bool):
   """Every batch leaf splits into the replicas' rows, then into K."""
   axes = cfg.axes
   for b in batch:
@@ -207,19 +189,16 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
       f"{_WHAT}(axis_name={axes}): called inside a shard_map over these "
       "axes. There, pass axis_name=... instead (this replica's rows)."
     )
-  batch = _batch_leaves(cfg, args, kwargs)
+  batch = margs.batch_leaves(_WHAT, cfg.roles, args, kwargs)
   mesh = layout_.find_mesh(
     [b.x for b in batch], axes, what=f"{_WHAT}(axis_name={axes})"
   )
   is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(axis_name=...)")
   n = layout_.size(mesh, axes)
-  if cfg.roles.num_microbatches is not None:  # the replicas' rule first
-    _check_batch(cfg, batch, cfg.roles.num_microbatches, n, is_explicit)
-  k = margs.num_microbatches(_WHAT, cfg.roles, batch)
+  k = cfg.roles.num_microbatches or margs.num_microbatches(
+    _WHAT, cfg.roles, batch
+  )
   _check_batch(cfg, batch, k, n, is_explicit)
-  for n_key in cfg.roles.key_argnums:  # validated before they are folded
-    for path, key in tree_utils.flat(args[n_key]):
-      validation.random_key(key, what=f"{_WHAT}: argument {n_key} {path}")
   params = _params(cfg, args)
   specs = _param_specs(cfg, params, is_explicit)
   leaves = tuple(
@@ -247,10 +226,9 @@ def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
   others = set().union(*map(layout_.names, spec)) - set(axes) if spec else ()
   if is_explicit and e.scatter and others:
     raise WeightedAccumulationError(
-      f"{_WHAT}(axis_name={axes}): param {path} is typed {spec} on an "
-      f"Explicit mesh, over the data axes and {tuple(sorted(others))}: "
-      "a reduce-scatter cannot keep both. Use an Auto mesh with "
-      "DataParallel(param_specs=...)."
+      f"{_WHAT}(axis_name={axes}): param {path} is typed {spec} on an Explicit"
+      f" mesh, over the data axes and {tuple(sorted(others))}: a reduce-scatter"
+      " cannot keep both; use an Auto mesh with DataParallel(param_specs=...)."
     )
   return e
 
@@ -324,21 +302,13 @@ def _joined(sp: _Split, values: list) -> Any:
   return jax.tree.unflatten(sp.treedef, leaves)
 
 
-def grads_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
-  """The gradients' ``shard_map`` out specs, a tree like the gradients."""
-  treedef = jax.tree.structure(_params(cfg, args))
-  return jax.tree.unflatten(treedef, lay.grad_specs())
-
-
 def _out_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
-  out = AccumulatedGradients(
-    grads=grads_specs(cfg, args, lay),
-    weight=P(),
-    loss_scale=P(),
-    issued=P(),
-    finite=P(),
-    valid=P(),
+  """``f``'s ``shard_map`` out specs, the gradients' on their layout."""
+  treedef = jax.tree.structure(_params(cfg, args))
+  grads = jax.tree.unflatten(
+    treedef, [layout_.grad_spec(e) for e in lay.leaves]
   )
+  out = AccumulatedGradients(grads, *[P()] * 5)
   if cfg.has_aux:
     return (P(), P(None, layout_.entry(lay.axes))), out
   return P(), out
@@ -380,7 +350,10 @@ def run_eagerly(cache: dict | None, run: Callable[..., Any], *args: Any):
     lambda *xs: run(*jax.tree.unflatten(tree, xs)), return_shape=True
   )(*flat)
   ins = list(closed.consts) + flat
-  key = (str(closed.jaxpr), *((jax.typeof(x), _sharding(x)) for x in ins))
+  key = (
+    str(closed.jaxpr),
+    *((jax.typeof(x), getattr(x, "sharding", None)) for x in ins),
+  )
   prog = cache.pop(key, None)
   if prog is None:
     if len(cache) >= _EAGER_ENTRIES:
@@ -391,8 +364,27 @@ def run_eagerly(cache: dict | None, run: Callable[..., Any], *args: Any):
   return jax.tree.unflatten(jax.tree.structure(shape), out)
 
 
-def _sharding(x: Any) -> Any:
-  return getattr(x, "sharding", None)
+def _sharded(cfg, pl: _Plan, sp: _Split, fn, specs, cache, args, *rest, post):
+  """``fn(args, kwargs, ..., *rest)`` per replica in a ``shard_map``."""
+
+  def body(values, *rest):
+    a, kw, *extra = _joined(sp, values)
+    return fn(a, kw, *extra, *rest), margs.rng_states(cfg.roles, a)
+
+  def run(dyn, *rest):
+    res, rngs = jax.shard_map(
+      body,
+      mesh=pl.mesh,
+      in_specs=(sp.specs, *specs[0]),
+      out_specs=(specs[1], P()),
+      axis_names=set(pl.lay.axes),
+    )(dyn, *rest)
+    return post(res), rngs
+
+  dyn = [sp.leaves[i] for i in sp.dynamic]
+  res, rngs = run_eagerly(cache, run, dyn, *rest)
+  margs.update_rngs(cfg.roles, args, rngs)
+  return res
 
 
 def value_and_grad(
@@ -401,38 +393,42 @@ def value_and_grad(
   """``f`` with ``axis_name`` on the global batch: ``step`` per replica."""
   args, kwargs, num_real, scale, normalizers = call
   pl = plan_call(cfg, args, kwargs)
-  k = pl.inner.roles.num_microbatches
-  n_real = validation.num_real(num_real, k, what=_WHAT)
-  ls = jnp.asarray(scale)  # validated by the caller (microbatching)
+  n_real = validation.num_real(
+    num_real, pl.inner.roles.num_microbatches, what=_WHAT
+  )
   norms = jax.tree.map(  # each checked here: inside, they are traced
     lambda v: validation.normalizer(v, what=f"{_WHAT}(...)(normalizers=)"),
     normalizers,
   )
-  axes = pl.lay.axes
   sp = _split(cfg, (_gathered(cfg, args, pl), kwargs, norms), pl)
 
-  def body(values, n_real, ls):
-    a, kw, norms = _joined(sp, values)
+  def fn(a, kw, norms, n_real, ls):
     res = step(pl.inner, a, kw, n_real, ls, norms)
-    if cfg.has_aux:
-      (loss, aux), out = res
-      res = (loss, aux_per_replica(aux, axes)), out
-    return res, margs.rng_states(cfg.roles, a)
+    if not cfg.has_aux:
+      return res
+    (loss, aux), out = res
+    return (loss, aux_per_replica(aux, pl.lay.axes)), out
 
-  def run(dyn, n_real, ls):
-    res, rngs = jax.shard_map(
-      body,
-      mesh=pl.mesh,
-      in_specs=(sp.specs, P(), P()),
-      out_specs=(_out_specs(cfg, args, pl.lay), P()),
-      axis_names=set(axes),
-    )(dyn, n_real, ls)
-    return _placed(res, pl), rngs
-
-  dyn = [sp.leaves[i] for i in sp.dynamic]
-  res, rngs = run_eagerly(cache, run, dyn, n_real, ls)
-  margs.update_rngs(cfg.roles, args, rngs)
+  specs = ((P(), P()), _out_specs(cfg, args, pl.lay))
+  ls = jnp.asarray(scale)  # validated by the caller (microbatching)
+  post = lambda res: _placed(res, pl)
+  res = _sharded(cfg, pl, sp, fn, specs, cache, args, n_real, ls, post=post)
+  _refuse_empty(cfg, res[1].weight, norms)
   return res
+
+
+def _refuse_empty(cfg: Any, weight: Any, normalizers: Any) -> None:
+  """Eagerly refuses a window of total weight 0, as a call without ``axis_name``."""
+  if tree_utils.is_traced(jax.tree.leaves(weight)[0]):
+    return
+  weight = weight if isinstance(weight, dict) else {None: weight}
+  norms = validation.normalizers(normalizers, list(weight), what=_WHAT)
+  for g in terms.groups(list(weight), norms, cfg.mode):
+    if not any(weight[t] > 0 for t in g.terms):
+      raise WeightedAccumulationError(
+        f"{_WHAT}(axis_name={cfg.axes}): the call's total weight is 0 "
+        f"(terms {list(g.terms)}): no mean to take. Pass rows of positive weight."
+      )
 
 
 def _check_window(state: Any, lay: Layout, what: str) -> None:
@@ -460,13 +456,10 @@ def accumulate(
   """``f.accumulate`` on the global batch: a stacked window, no collective."""
   args, kwargs, num_real = call
   what = f"{_WHAT}(...).accumulate(state)"
-  state = validation.instance(
-    state,
-    AccumState,
-    what=what,
-    hint="Pass a stacked per-replica window (wa.init(..., axis_name=...) "
-    "outside shard_map).",
+  hint = (
+    "Pass a stacked window: wa.init(params, axis_name=...) outside shard_map."
   )
+  state = validation.instance(state, AccumState, what=what, hint=hint)
   pl = plan_call(cfg, args, kwargs)
   lay = pl.lay
   _check_window(state, lay, what)
@@ -476,29 +469,18 @@ def accumulate(
   one = P(layout_.entry(lay.axes))
   sp = _split(cfg, (_gathered(cfg, args, pl), kwargs), pl)
 
-  def body(block, values, n_real):
-    a, kw = _joined(sp, values)
+  def fn(a, kw, block, n_real):
     value, st = step(pl.inner, block, a, kw, n_real)
     if cfg.has_aux:
       value, aux = value
     value = tuple(tree_utils.to_varying(v, lay.axes)[None] for v in value)
     if cfg.has_aux:
       value = (value, aux_per_replica(aux, lay.axes))
-    return (value, st), margs.rng_states(cfg.roles, a)
+    return value, st
 
-  specs = replicas.specs(state, lay.axes)
+  st_specs = replicas.specs(state, lay.axes)
   value_specs = ((one, one), P(None, one[0])) if cfg.has_aux else (one, one)
-
-  def run(dyn, state, n_real):
-    return jax.shard_map(
-      body,
-      mesh=pl.mesh,
-      in_specs=(specs, sp.specs, P()),
-      out_specs=((value_specs, specs), P()),
-      axis_names=set(lay.axes),
-    )(state, dyn, n_real)
-
-  dyn = [sp.leaves[i] for i in sp.dynamic]
-  res, rngs = run_eagerly(cache, run, dyn, state, n_real)
-  margs.update_rngs(cfg.roles, args, rngs)
-  return res
+  specs = ((st_specs, P()), (value_specs, st_specs))
+  return _sharded(
+    cfg, pl, sp, fn, specs, cache, args, state, n_real, post=lambda r: r
+  )

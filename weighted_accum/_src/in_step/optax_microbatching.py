@@ -40,22 +40,13 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
   """An exact weighted ``optax.microbatching.Accumulator``.
 
   A drop-in for ``accumulator=AccumulationType.MEAN`` in
-  ``optax.microbatching.microbatch`` / ``micro_vmap`` / ``micro_grad``: the
-  microbatched function returns ``((loss, weight), grads)``
-  (``jax.value_and_grad(loss_fn, has_aux=True)`` of a ``loss_fn`` returning
-  ``(loss, weight)``), and the result is ``((mean_loss, total_weight),
-  mean_grads)``, the exact full-batch values, where MEAN divides by the
-  microbatch count (equal weights whatever each microbatch's item count).
-  The carry is an :class:`~weighted_accum.AccumState`:
-  ``accumulate_sum``/``accumulate_mean`` add, one finish divides. Its
-  ``aggregate`` (what ``micro_vmap`` calls on per-example values, alone when
-  ``microbatch_size=None``) returns the same exact mean.
-
-  Examples of weight 0 or microbatches of weight 0 add nothing (even NaN). A
-  negative, NaN or infinite weight cannot raise inside optax's loop: it
-  makes the result's loss, total weight and grads NaN (refused, never
-  silently dropped), which a finiteness check such as
-  ``optax.apply_if_finite`` catches.
+  ``optax.microbatching`` (``microbatch``, ``micro_vmap``, ``micro_grad``,
+  and ``aggregate`` on per-example values): the microbatched function
+  returns ``((loss, weight), grads)`` and the result is ``((mean_loss,
+  total_weight), mean_grads)``, the exact full-batch values (MEAN divides by
+  the microbatch count). Weight 0 adds nothing (even NaN); a negative, NaN or
+  infinite weight makes the loss, weight and grads NaN (caught by e.g.
+  ``optax.apply_if_finite``), as it cannot raise inside optax's loop.
 
   Args:
     mode: required. ``"sum"`` when ``loss`` is the microbatch's loss SUM,
