@@ -922,11 +922,6 @@ def test_each_replica_and_microbatch_draws_its_own_key_in_shard_map():
   assert len(set(_draws("shard_map").ravel().tolist())) == K * R
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="apply_window applies a finish_sums result (still-scaled sums) as "
-  "if it were the mean",
-)
 def test_apply_window_reads_a_sums_result_as_sums():
   p = {"w": jnp.zeros(2)}
   w = wa.accumulate_sum(
