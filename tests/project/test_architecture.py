@@ -47,11 +47,7 @@ LINE_CEILING = 10_244
 #: Private functions with more than 6 keyword-only/defaulted parameters.
 KNOWN_FLAG_HEAVY = {"core/window.py:finish"}
 #: Broad excepts that do not re-raise (module:function).
-KNOWN_SWALLOWING = {
-  "in_step/value_and_grad.py:_functions",  # the typed data-axes path
-  # probes whether the files read without the template (for the message):
-  "checkpointing/checkpoint.py:AccumCheckpointHandler._restore_failure",
-}
+KNOWN_SWALLOWING: set[str] = set()
 
 
 def _module_name(path: pathlib.Path) -> str:

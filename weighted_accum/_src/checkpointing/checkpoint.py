@@ -246,8 +246,8 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Damaged files, or (they read back untemplated) another template."""
     try:
       self._impl.restore(directory)
-    except Exception:  # pylint: disable=broad-exception-caught
-      return _damaged(where, "arrays", e)
+    except Exception as untemplated:  # pylint: disable=broad-exception-caught
+      raise _damaged(where, "arrays", e) from untemplated
     return WeightedAccumulationError(
       f"{where}: the files are intact but do not fit the template ({e!r}): "
       "build it like the saving run's state (same optimizer and containers)."
