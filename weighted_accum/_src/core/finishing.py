@@ -70,10 +70,7 @@ def shared_over_window(state: AccumState, value: Any, what: str) -> Any:
 def _finish_kernel(
   state: AccumState, next_loss_scale: jax.Array | None, mean: bool
 ) -> tuple[AccumulatedGradients, AccumState]:
-  out, new_state, _ = window.finish(
-    state, mean=mean, next_loss_scale=next_loss_scale
-  )
-  return out, new_state
+  return window.finish(state, mean=mean, next_loss_scale=next_loss_scale)
 
 
 def finish_sums(

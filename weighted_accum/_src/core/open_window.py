@@ -16,7 +16,7 @@ from weighted_accum._src.core.base import AccumState
 
 @functools.partial(jax.jit, static_argnums=1)
 def _peek_kernel(state: AccumState, axes: tuple[str, ...]):
-  out, _, _ = window.finish(state, mean=True, axes=axes, what="peek_mean")
+  out, _ = window.finish(state, mean=True, axes=axes, what="peek_mean")
   return out
 
 

@@ -326,51 +326,36 @@ def result(
   )
 
 
-def finish(
+def reduce(
   state: AccumState,
-  *,
-  mean: bool,
-  keep_empty: bool | None = None,
-  next_loss_scale: Any = None,
   axes: Axes = (),
-  vma_on: bool | None = None,
+  *,
   extra: Mapping[str, Any] | None = None,
   plan: Any = None,
   what: str = "finish",
-  when: jax.Array | None = None,
-  check: str | None = None,
-  dtypes: Any = None,
-) -> tuple[AccumulatedGradients, AccumState, dict[str, jax.Array]]:
-  """Finishes ``state``'s window: the one finish path (pure, traceable);
-  ``dtypes``: per leaf, the dtype the result is handed on (and decided) in."""
-  keep_empty = mean if keep_empty is None else keep_empty
-  check = check or ("mean" if mean else "sums")
-  if check not in CHECKS or (mean and check == "sums"):
-    raise ValueError(f"finish(check=...) is one of {CHECKS}")
-  if when is not None and (mean or axes):
-    raise ValueError("finish(when=...) takes mean=False and no axes")
+) -> tuple[Any, dict[str, jax.Array], jax.Array]:
+  """The window's global ``(sums, scalars, weight)``: one round over ``axes``."""
   sums = state.grads
   scalars = {k: getattr(state, k) for k in base.named(base.SUMMED)}
   scalars.update(extra or {})
   if axes:
-    vma_on = tree_utils.vma_checked(axes) if vma_on is None else vma_on
+    vma_on = tree_utils.vma_checked(axes)
     if vma_on:
       _check_scale_shared(state.loss_scale, axes, what)
     sums, scalars = psum_window(sums, scalars, axes, vma_on=vma_on, plan=plan)
   # In the tally's dtype: float32, or float64 for a float64 work dtype.
   weight = jnp.asarray(scalars["weight_hi"]) + jnp.asarray(scalars["weight_lo"])
-  out = result(
-    sums,
-    weight,
-    state.loss_scale,
-    scalars["issued"],
-    mean=mean,
-    check=check,
-    require_weight=keep_empty,
-    when=when,
-    dtypes=dtypes,
-  )
-  keep = ~(weight > 0) if keep_empty else None
+  return sums, scalars, weight
+
+
+def advance(
+  state: AccumState,
+  out: AccumulatedGradients,
+  next_loss_scale: Any,
+  axes: Axes,
+  keep: Any = None,
+) -> AccumState:
+  """The window after ``state`` closed as ``out`` (a callable scale reads ``out``)."""
   if callable(next_loss_scale):  # a dynamic scale, from this window's result
     next_loss_scale = next_loss_scale(out)
   new_state = next_window(state, next_loss_scale, keep=keep)
@@ -378,7 +363,34 @@ def finish(
     new_state = jax.tree.map(
       lambda r, s: tree_utils.vary_like(r, s, axes), new_state, state
     )
-  return out, new_state, {k: scalars[k] for k in extra or {}}
+  return new_state
+
+
+def finish(
+  state: AccumState,
+  *,
+  mean: bool,
+  next_loss_scale: Any = None,
+  axes: Axes = (),
+  what: str = "finish",
+  check: str | None = None,
+  dtypes: Any = None,
+) -> tuple[AccumulatedGradients, AccumState]:
+  """Finishes ``state``'s window (reduce, result, next window); ``dtypes``:
+  per leaf, the dtype the result is handed on (and decided) in."""
+  sums, scalars, weight = reduce(state, axes, what=what)
+  out = result(
+    sums,
+    weight,
+    state.loss_scale,
+    scalars["issued"],
+    mean=mean,
+    check=check or ("mean" if mean else "sums"),
+    require_weight=mean,
+    dtypes=dtypes,
+  )
+  keep = ~(weight > 0) if mean else None
+  return out, advance(state, out, next_loss_scale, axes, keep)
 
 
 def reduce_finished(
@@ -425,16 +437,19 @@ def close(
 ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
   """The close kernel of ``apply_window`` and the optax wrapper; ``apply``
   gets the mean in ``dtypes`` (validity is decided in them)."""
-  out, new_state, _ = finish(
-    state,
+  sums, scalars, weight = reduce(state, axes)
+  out = result(
+    sums,
+    weight,
+    state.loss_scale,
+    scalars["issued"],
     mean=False,
-    keep_empty=True,
-    next_loss_scale=next_loss_scale,
-    axes=axes,
-    when=when,
     check="mean" if mean else "unscaled",
+    require_weight=True,
+    when=when,
     dtypes=dtypes,
   )
+  new_state = advance(state, out, next_loss_scale, axes, ~(weight > 0))
   zero_dtype = out.weight.dtype
 
   def valid_branch(sums, operands):

@@ -148,18 +148,26 @@ def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> tuple:
   }
   outs, ex = [], {}
   for j, (g, st) in enumerate(zip(groups, carry.states)):
-    out, _, got = window.finish(
+    sums, got, weight = window.reduce(
       st,
-      mean=True,
-      check="unscaled" if g.known else None,
-      axes=st.placement.axes,
+      st.placement.axes,
       extra=extra if j == 0 else None,
       plan=None if cfg.spmd is None else cfg.spmd.plan,
       what=_WHAT,
+    )
+    out = window.result(
+      sums,
+      weight,
+      st.loss_scale,
+      got["issued"],
+      mean=True,
+      check="unscaled" if g.known else "mean",
+      require_weight=True,
       dtypes=dtypes,
     )
     outs.append(out)
-    ex = ex or got
+    if j == 0:
+      ex = {k: got[k] for k in extra}
   sums = {t: (ex[f"loss{j}"], ex[f"weight{j}"]) for j, t in enumerate(names)}
   rejected = [ex[f"rejected{j}"] for j in range(len(outs))]
   return outs, sums, rejected

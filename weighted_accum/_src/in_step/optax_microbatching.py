@@ -104,7 +104,7 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
 
   def finalize(carry):
     st, loss_sum = carry
-    out, _, _ = window.finish(st, mean=True, what=what)
+    out, _ = window.finish(st, mean=True, what=what)
     loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
     bad = st.rejected > 0
     nan = lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)

@@ -124,10 +124,9 @@ def finish_mean(state, ls, checked, what: str = "finish_mean"):
     return replicas.finish_mean(state, axes, ls, what)
   if at == GLOBAL:
     return finishing.finish_global(state, ls, checked)
-  out, new, _ = window.finish(
+  return window.finish(
     state, mean=True, next_loss_scale=ls, axes=axes, what=what
   )
-  return out, new
 
 
 def finish_sums(state, ls):

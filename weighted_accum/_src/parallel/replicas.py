@@ -210,9 +210,7 @@ def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any, what: str):
   glob = to_global(
     state, axes, layout_.find_mesh([state.weight_hi], axes, what=what)
   )
-  out, closed, _ = window.finish(
-    glob, mean=True, next_loss_scale=next_loss_scale
-  )
+  out, closed = window.finish(glob, mean=True, next_loss_scale=next_loss_scale)
   return out, next_window(state, closed)
 
 
