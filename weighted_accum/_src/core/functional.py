@@ -21,12 +21,6 @@ from weighted_accum._src.core import base
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
 
-_STATE_HINT = (
-  "Pass the window from wa.init (or the previous call) first, then the "
-  "grads and the weight."
-)
-
-
 def init(
   params: Any,
   dtype: DTypeLike = jnp.float32,
@@ -90,11 +84,8 @@ def init(
 
 
 def _accumulate(state, grads, weight, *, mean, checked, name):
-  validation.instance(
-    state, AccumState, what=f"{name}(state)", hint=_STATE_HINT
-  )
-  if base.plain(state):
-    return accumulation.add(
+  if not isinstance(state, AccumState) or base.plain(state):
+    return accumulation.add(  # checks the window's type once
       state, grads, weight, mean=mean, checked=checked, name=name
     )
   return base.PLACED["accumulate"](
