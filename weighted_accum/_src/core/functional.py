@@ -15,11 +15,11 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
-from weighted_accum._src import validation
 from weighted_accum._src.core import accumulation
 from weighted_accum._src.core import base
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.errors import WeightedAccumulationError
+
 
 def init(
   params: Any,

@@ -26,8 +26,7 @@ Axes = tuple[str, ...]
 
 
 def usable_divisors(loss_scale: jax.Array, weight: jax.Array) -> jax.Array:
-  """A positive finite weight and a usable (finite, positive, normal) loss
-  scale: what a division needs to mean anything."""
+  """A positive finite weight and a usable (finite, positive, normal) scale."""
   return (weight > 0) & jnp.isfinite(weight) & validation.scale_ok(loss_scale)
 
 
@@ -38,8 +37,7 @@ _BIG = 2.0**64
 def _divisors(
   loss_scale: jax.Array, weight: jax.Array, ct: Any, check: bool
 ) -> tuple[jax.Array, jax.Array]:
-  """Factors ``(f1, f2)`` with ``(x * f1) * f2 == x / loss_scale / weight``,
-  dividing by the larger divisor first (docs/design.md, "Closing a window")."""
+  """``(f1, f2)`` with ``(x * f1) * f2 == x / loss_scale / weight``, larger first."""
   ls, w = loss_scale.astype(ct), weight.astype(ct)
   one, zero = jnp.ones((), ct), jnp.zeros((), ct)
   ok = usable_divisors(loss_scale, weight) if check else w > 0
@@ -83,10 +81,7 @@ def divide(
 def next_window(
   state: AccumState, next_loss_scale: Any = None, *, keep: Any = None
 ) -> AccumState:
-  """An empty window after ``state`` (fresh zero buffers, counters as the
-  table's ``at_finish`` says, loss scale ``next_loss_scale`` or unchanged).
-  Where ``keep``, the counters but the loss scale stay ``state``'s (a window
-  of zero total weight is not consumed)."""
+  """An empty window after ``state``; where ``keep``, its counters but the scale."""
   ls = state.loss_scale if next_loss_scale is None else next_loss_scale
   counters = base.at_finish(state, jnp.asarray(ls, state.loss_scale.dtype))
   if keep is not None:
@@ -111,8 +106,7 @@ PAIR = ("weight_hi", "weight_lo")
 
 
 def _leaf_axes(x: Any, axes: Axes, vma_on: bool) -> Axes:
-  """The axes to sum a leaf over: those it varies over (an unvarying leaf is
-  identical on every replica, i.e. already global)."""
+  """The axes a leaf varies over (an unvarying leaf is already global)."""
   if not vma_on:
     return axes
   return tuple(a for a in axes if a in tree_utils.varying_axes(x))
@@ -131,8 +125,7 @@ def _plans(leaves: list[Any], plan: Any, axes: Axes, vma_on: bool) -> list:
 
 
 def _scalar_values(scalars: Mapping[str, Any], w: int) -> dict:
-  """The scalars as the float32 (or wider) values one psum sums: an exact
-  pair (float32 :data:`PAIR`) as the sum of its parts' limbs."""
+  """The scalars as one psum sums them (a float32 :data:`PAIR` in limbs)."""
   values = {}
   for k, v in scalars.items():
     v = jnp.asarray(v)
@@ -185,9 +178,7 @@ def psum_window(
 
 
 def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-  """Marks summed over the manual mesh axes they vary over (all of them
-  without varying types), so every shard decides alike; a no-op outside
-  ``shard_map``."""
+  """Marks summed over the manual axes they vary over (every shard decides alike)."""
   axes = tree_utils.manual_axes()
   if not axes:
     return marks
@@ -203,8 +194,7 @@ def global_marks(marks: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
 def gated_mark(
   sums: Any, mark: Callable[[Any], jax.Array], when: jax.Array | None
 ) -> jax.Array:
-  """The global ``mark(sums)``, read only where ``when`` (in a ``lax.cond``
-  with a scalar output; 0 elsewhere)."""
+  """The global ``mark(sums)``, read only where ``when`` (0 elsewhere)."""
   if when is None:
     return global_marks((mark(sums),))[0]
   return lax.cond(
@@ -231,9 +221,7 @@ CHECKS = ("sums", "unscaled", "mean")
 
 
 def _range_mark(sums: Any, loss_scale: Any, divisor: Any, dtypes: Any):
-  """:func:`window_mark` read from each leaf's largest magnitude: its
-  quotient (as :func:`divide` computes it, then cast to the dtype handed on;
-  rounding is monotone) is the largest, so the leaf fits iff that one does."""
+  """:func:`window_mark` from each leaf's largest magnitude (rounding is monotone)."""
   marks, factors = [jnp.zeros((), jnp.float32)], {}
   leaves = jax.tree.leaves(sums)
   outs = [b.dtype for b in leaves] if dtypes is None else dtypes
@@ -270,9 +258,7 @@ def _narrows(sums: Any, dtypes: Any) -> bool:
 def window_mark(
   sums: Any, loss_scale: jax.Array, weight: jax.Array, check: str, dtypes: Any
 ) -> jax.Array:
-  """The window's local validity mark: NaN for a NaN/Inf pending sum, else
-  +Inf when the result (``check``) does not fit the work dtype or
-  ``dtypes`` (what a close hands on, per leaf), else 0."""
+  """Local mark: NaN for a NaN/Inf sum, +Inf if ``check`` overflows ``dtypes``, 0."""
   if check == "sums":
     return numerics.tree_mark(sums)
   divisor = weight if check == "mean" else jnp.ones_like(weight)
@@ -298,8 +284,7 @@ def result(
   when: jax.Array | None = None,
   dtypes: Any = None,
 ) -> AccumulatedGradients:
-  """What a finish returns, from the global sums and weight; validity is
-  decided on the result in ``dtypes`` (per leaf, what is handed on)."""
+  """A finish's result from the global sums; validity decided in ``dtypes``."""
   loss_scale = jnp.asarray(loss_scale)
   usable = validation.scale_ok(loss_scale)
   if require_weight:
@@ -396,8 +381,7 @@ def finish(
 def reduce_finished(
   out: AccumulatedGradients, axes: Axes, *, what: str = "reduce_sums"
 ) -> AccumulatedGradients:
-  """The global mean from one replica's ``finish_sums`` result (the same
-  collective round and division as :func:`finish` with ``axes``)."""
+  """The global mean from one replica's ``finish_sums`` result."""
   if out.kind != "sums":
     raise WeightedAccumulationError(
       f"{what}(out): out holds a {out.kind}, not finish_sums' sums; pass "
@@ -435,8 +419,7 @@ def close(
   when: jax.Array | None = None,
   dtypes: Any = None,
 ) -> tuple[Any, jax.Array, AccumState, AccumulatedGradients]:
-  """The close kernel of ``apply_window`` and the optax wrapper; ``apply``
-  gets the mean in ``dtypes`` (validity is decided in them)."""
+  """The close kernel of ``apply_window`` and the wrapper (``apply`` gets the mean)."""
   sums, scalars, weight = reduce(state, axes)
   out = result(
     sums,
