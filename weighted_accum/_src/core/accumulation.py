@@ -76,10 +76,7 @@ def _params_dtype(named: list[tuple[str, Any]]) -> np.dtype:
 
 
 def _follow_committed(buffers: Any) -> Any:
-  """Buffers of uncommitted params put where the committed ones are, as
-  ``jax.jit`` would move them: a window of params some committed, some not,
-  then takes grads committed anywhere (``accumulate`` moves them onto each
-  buffer's sharding) and never meets two device sets in one kernel."""
+  """Uncommitted params' buffers put where the committed ones are (as ``jit`` would)."""
   target = tree_utils.replicated_sharding(buffers)
   if target is None:
     return buffers
@@ -114,8 +111,7 @@ def _buffers_dtype(named: list[tuple[str, Any]]) -> np.dtype:
 
 
 def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
-  """Only positive-weight microbatches add to the buffers: a window of total
-  weight 0 has zero buffers (see ``docs/design.md``, "State")."""
+  """Only positive-weight microbatches add: a weight-0 window has zero buffers."""
   for path, b in named:
     if bool(jnp.any(numerics.nonzero(b))):  # on the bits: subnormals count
       raise WeightedAccumulationError(
@@ -127,8 +123,7 @@ def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
 
 
 def _param_sharding(param: Any) -> jax.sharding.Sharding | None:
-  """Where a param lives: a concrete array's sharding, or the one a
-  ``jax.ShapeDtypeStruct`` carries (None for tracers and host values)."""
+  """A param's sharding (None for tracers and host values)."""
   if tree_utils.is_traced(param):
     return None
   sharding = getattr(param, "sharding", None)
@@ -265,9 +260,7 @@ def check_room(state: AccumState, w: validation.Weight, name: str) -> None:
 def _structure(
   state: AccumState, grads: Any, name: str
 ) -> tuple[list[Any], bool, Any]:
-  """The grads' leaves, whether all sit on their buffers' shardings, and
-  the grads' signature: validated once per signature when eager
-  (``eager_cache``)."""
+  """The grads' leaves, whether all sit on their buffers, and their signature."""
   grads_sig, leaves = eager_cache.signature(grads)
   placed = eager_cache.last_output(name, state, grads_sig)
   if placed is not None:  # the state this entry point returned last
@@ -293,9 +286,7 @@ def _structure(
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
-  """Eagerly, moves grads sharded unlike their buffers onto the buffers'
-  shardings, so the result keeps the params' placement (under ``jit`` the
-  partitioner decides; params and grads normally agree there)."""
+  """Eagerly, grads moved onto their buffers' shardings."""
   out = []
   for g, b in zip(leaves, jax.tree.leaves(state.grads)):
     if (
@@ -493,10 +484,7 @@ def set_loss_scale(
 
 
 def _is_empty(state: AccumState, ls: Any) -> jax.Array:
-  """Whether the window holds no weight, decided for the whole window: over
-  a stacked window's replica axis, and over a per-replica window's axes
-  inside ``shard_map`` (where ``ls`` must be shared), so the scale stays
-  one shared scalar."""
+  """Whether the whole window (every replica) holds no weight."""
   pl = state.placement
   empty = jnp.all((state.weight_hi == 0) & (state.weight_lo == 0))
   if pl.kind != base.GLOBAL and tree_utils.bound(pl.axes):

@@ -183,8 +183,7 @@ def finish_global(state: AccumState, ls: Any, checked: bool):
 
 
 def _mean_dtype(work: Any, param: Any) -> Any:
-  """The dtype the optimizer gets the mean in: at least float32 and at least
-  the param's (a float16 mean could overflow before the optimizer)."""
+  """The mean's dtype: at least float32 and the param's."""
   return jnp.promote_types(numerics.compute_dtype(work), jnp.result_type(param))
 
 
@@ -218,8 +217,7 @@ def _apply_window_kernel(
 
 
 def _check_result(out, params, next_loss_scale) -> None:
-  """An in-step result as ``apply_window``'s window: its mean gradients
-  shaped like ``params``, no window options."""
+  """An in-step result checked as ``apply_window``'s window."""
   what = "apply_window(state)"
   for name, value in (("next_loss_scale", next_loss_scale),):
     if value is not None:
@@ -262,8 +260,7 @@ def _trained(params: Any) -> Any:
 
 
 def _result_grads(out: AccumulatedGradients, params: Any) -> Any:
-  """``out.grads`` checked against ``params`` (paths and shapes), in the
-  params' structure and at least their dtype and float32."""
+  """``out.grads`` checked against ``params``, in their structure and dtype."""
   leaves = tree_utils.match_tree(  # nnx.Param-held or pure, either side
     tree_utils.unwrap_variables(params),
     tree_utils.unwrap_variables(out.grads),
@@ -279,8 +276,7 @@ def _result_grads(out: AccumulatedGradients, params: Any) -> Any:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_result_kernel(tx, out, params, opt_state):
-  """``tx`` applied to an in-step result's mean when it is valid; else
-  ``params`` and ``opt_state`` come back untouched (one ``lax.cond``)."""
+  """``tx`` applied to a valid in-step result (one ``lax.cond``)."""
   grads = _result_grads(out, params)
 
   def apply(operands):
@@ -295,9 +291,7 @@ def _apply_result_kernel(tx, out, params, opt_state):
 
 
 def _check_replicas(state: AccumState, params: Any, axes: tuple) -> None:
-  """Refuses a per-replica window closed as if it were global: buffers that
-  vary over mesh axes their params do not vary over (and are not reduced
-  over with ``axis_name``)."""
+  """Refuses a per-replica window closed as if it were global."""
   for (path, b), p in zip(
     tree_utils.flat(state.grads), jax.tree.leaves(params)
   ):

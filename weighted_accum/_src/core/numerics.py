@@ -154,10 +154,7 @@ def nonfinite_mark(x: jax.Array) -> jax.Array:
 
 
 def _inf_or_nan(x: jax.Array) -> jax.Array:
-  """0 where ``x`` is finite, +Inf where it is +-Inf, NaN where it is NaN
-  (``|x| - min(|x|, max)``). A computed ``x`` must be cheap (a product,
-  not a quotient) for XLA to fuse it into the reduction: it reads ``x``
-  twice, and XLA writes out an expensive one first."""
+  """0 where ``x`` is finite, +Inf where +-Inf, NaN where NaN (a fusable read)."""
   a = jnp.abs(x)
   return a - jnp.minimum(a, jnp.asarray(jnp.finfo(x.dtype).max, x.dtype))
 
@@ -217,8 +214,7 @@ def unpartitioned(x: jax.Array) -> bool:
 
 
 def _group_key(x: jax.Array) -> Any:
-  """Leaves that may share one reduction: small leaves of one shape and
-  dtype that are not partitioned (and, when concrete, one placement)."""
+  """Leaves that may share one reduction (small, unpartitioned, alike)."""
   if not 0 < x.size <= _SMALL or not unpartitioned(x):
     return None
   placement = None
@@ -228,10 +224,7 @@ def _group_key(x: jax.Array) -> Any:
 
 
 def _grouped_marks(xs: list[jax.Array], elementwise) -> list[jax.Array]:
-  """The marks of same-shaped leaves, one variadic reduction per
-  ``_GROUP`` of them: XLA:CPU turns the reduction of a small vector into
-  three loops and that of a small matrix into one, a variadic one into one
-  loop for the whole group."""
+  """Marks of same-shaped leaves, one variadic reduction per ``_GROUP``."""
   marks = []
   for i in range(0, len(xs), _GROUP):
     parts = tuple(
