@@ -609,7 +609,7 @@ def test_shard_map_refuses_autodiff_reduced_grads():
     _fresh(_init_params()), jax.sharding.NamedSharding(mesh, P())
   )
   x, y, mask = _data([2] * len(jax.devices()), 0)
-  with pytest.raises(wa.WeightedAccumulationError, match="pcast"):
+  with pytest.raises(wa.WeightedAccumulationError, match="local_grad"):
     jax.jit(step)(params, tx.init(params), x, y, mask)
 
 
