@@ -172,3 +172,31 @@ def test_a_batch_planned_for_another_spec_is_refused():
   fsdp = wa.distributed.DataParallel("data")
   with pytest.raises(wa.WeightedAccumulationError, match="FSDP"):
     planning.planned_value_and_grad(_loss_fn, spec, mode="sum", axis_name=fsdp)
+
+
+@pytest.mark.parametrize("grads_dtype", ["params", jnp.float16])
+def test_a_mean_past_float16_is_invalid_in_the_dtype_handed_on(grads_dtype):
+  """Validity is decided on the grads as handed on: a mean of 2**17 fits the
+  float32 window but not float16, so the result is invalid (it was
+  ``inf`` with ``valid=True``); the same values in float32 are valid."""
+
+  def loss_fn(w, mb):
+    rows, mask = mb
+    return jnp.sum(mask * rows["x"] * w) * 2.0**17, mask.sum()
+
+  spec = planning.PlanSpec(buckets=(4, 8), budget=8, batch_rows=4)
+  packed = planning.plan_batch(
+    spec, {"x": np.ones((4, 8), np.float32)}, [8, 3, 2, 1]
+  )
+  w16 = jnp.float16(1.0) if grads_dtype == "params" else jnp.float32(1.0)
+  f16 = jax.jit(
+    planning.planned_value_and_grad(
+      loss_fn, spec, mode="sum", grads_dtype=grads_dtype
+    )
+  )
+  _, out = f16(w16, packed)
+  assert out.grads.dtype == jnp.float16
+  assert not bool(out.valid)
+  f32 = jax.jit(planning.planned_value_and_grad(loss_fn, spec, mode="sum"))
+  _, ref = f32(jnp.float32(1.0), packed)
+  assert bool(ref.valid) and float(ref.grads) == 2.0**17

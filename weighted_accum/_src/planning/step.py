@@ -12,9 +12,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from weighted_accum._src import validation
-from weighted_accum._src.core import finishing
 from weighted_accum._src.core import functional
 from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core import window as close
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
@@ -116,18 +116,32 @@ class _Planned:
       return res
     return res, threaded[0] if self.roles.single_state else threaded
 
+  def dtypes(self, params: Any) -> list | None:
+    """Each gradient leaf's returned dtype (``grads_dtype``)."""
+    if self.grads_dtype is None:
+      return None
+    leaves = jax.tree.leaves(params)
+    if self.grads_dtype == "params":
+      return [jnp.result_type(p) for p in leaves]
+    return [self.grads_dtype] * len(leaves)
+
   def step(self, args: tuple, loss_scale: Any) -> Any:
     """``f`` where the data axes (if any) are bound: one window, closed."""
+    params = self.params(args)
     window = functional.init(
-      self.params(args), self.dtype, loss_scale, axis_name=self.axes
+      params, self.dtype, loss_scale, axis_name=self.axes
     )
     window, total, _, aux, threaded = self.add(window, args)
-    out, _ = finishing.finish_mean(window)
-    if self.grads_dtype is not None:
-      cast = lambda g, p: g.astype(
-        jnp.result_type(p) if self.grads_dtype == "params" else self.grads_dtype
-      )
-      out = out.replace(grads=jax.tree.map(cast, out.grads, self.params(args)))
+    if not tree_utils.is_traced(window.weight_hi):
+      validation.nonempty_window(window, what=_WHAT)
+    # Closed on the one finish path, validity decided in the dtypes handed on.
+    out, _ = close.finish(
+      window,
+      mean=True,
+      axes=window.placement.axes,
+      what=_WHAT,
+      dtypes=self.dtypes(params),
+    )
     if self.axes is not None:  # the loss's sum over the replicas
       total = jax.lax.psum(total, self.axes)
     loss = (total / jnp.maximum(out.weight, 1e-30)).astype(jnp.float32)
