@@ -1,16 +1,7 @@
-"""The optax wrapper's state as Flax NNX holds it, read and written back.
-
-``nnx.Optimizer(model, wa.WeightedMultiSteps(...)).opt_state`` is a
-:class:`WeightedMultiStepsState` whose array leaves are ``nnx.Variable``
-objects (``OptArray``); ``nnx.state(optimizer)`` (or a checkpoint restored
-into it) holds the same fields as a nested ``nnx.State`` mapping, the
-NamedTuple and :class:`~weighted_accum.AccumState` types gone. The window
-functions read either through :func:`view` (the plain state) and give a
-changed state back in the caller's types through :func:`rewrap`: every
-``nnx.Variable`` keeps its type and metadata with its new value, every
-``nnx.State`` its keys, so ``nnx.Optimizer.update`` and ``nnx.update`` take
-the result.
-"""
+"""The optax wrapper's state as Flax NNX holds it: :func:`view` reads
+``nnx.Optimizer(...).opt_state`` (``nnx.Variable`` leaves) or its
+``nnx.State`` mapping as the plain state; :func:`rewrap` gives a changed
+state back in the caller's Variables and mappings."""
 
 from __future__ import annotations
 
@@ -30,21 +21,13 @@ from weighted_accum._src.core.base import AccumState
 _ABSENT = {"skip_state": (), "loss_scaler": None}
 
 
-is_variable = tree_utils.is_variable
-unwrap = tree_utils.unwrap_variables
-
-
 def _is_wrapper_mapping(x: Any) -> bool:
   return isinstance(x, Mapping) and {"acc_grads", "window"} <= set(x.keys())
 
 
 def view(state: Any) -> Any:
-  """The plain state: Variables unwrapped; the optax wrapper's state held as
-  an ``nnx.State`` rebuilt as a :class:`WeightedMultiStepsState` (its
-  window's work dtype is the buffers': the static field is not in a
-  ``nnx.State``). Anything else comes back unwrapped, for the caller to
-  validate."""
-  plain = unwrap(state)
+  """``state`` unwrapped; a wrapper state held as an ``nnx.State`` rebuilt."""
+  plain = tree_utils.unwrap_variables(state)
   if not _is_wrapper_mapping(plain):
     return plain
   buffers = jax.tree.leaves(plain["acc_grads"])
@@ -63,11 +46,8 @@ def _children(tree: Any) -> list:
 
 
 def rewrap(like: Any, new: Any) -> Any:
-  """``new`` (a plain value shaped like :func:`view` of ``like``) in
-  ``like``'s containers: each ``nnx.Variable`` of ``like`` holds its new
-  value, each mapping (an ``nnx.State``) keeps its type and keys, read by
-  key or attribute from ``new``."""
-  if is_variable(like):
+  """``new`` (shaped like ``view(like)``) in ``like``'s Variables and maps."""
+  if tree_utils.is_variable(like):
     return like.replace(rewrap(like.get_value(), new))
   if isinstance(like, Mapping):
     get = new.__getitem__ if isinstance(new, Mapping) else new.__getattribute__

@@ -1,11 +1,5 @@
-"""The optax wrapper: ``WeightedMultiSteps``, a weighted ``optax.MultiSteps``
-(its ``gradient_transformation()`` is the functional form), and the readers
-``has_updated`` and ``window_counters``.
-
-The state and the per-microbatch step live in
-:mod:`weighted_accum._src.across_steps.multi_steps_step`; migrating from
-``optax.MultiSteps`` is in ``docs/migration.md``.
-"""
+"""The optax wrapper ``WeightedMultiSteps`` and its readers ``has_updated``
+and ``window_counters`` (its step: ``multi_steps_step``)."""
 
 from __future__ import annotations
 
@@ -33,24 +27,12 @@ __all__ = [
 ]
 
 
-def _unwrap(tree: Any) -> Any:
-  """``tree`` with every ``nnx.Variable`` replaced by its value; the
-  wrapper's state held as an ``nnx.State`` rebuilt as one."""
-  return held_state.view(tree)
-
-
 def _wrapper_state(state: Any, what: str) -> WeightedMultiStepsState:
-  """``state``, refused by name when it is not this wrapper's state (an
-  ``optax.MultiStepsState`` has no window to read)."""
-  hint = (
-    "Pass the state of wa.WeightedMultiSteps (tx.init / tx.update, or "
-    "nnx.Optimizer(...).opt_state)."
-  )
+  """``state`` (nnx-held ones unwrapped) if it is this wrapper's state."""
+  state = held_state.view(state)
+  hint = "Pass wa.WeightedMultiSteps' state (or nnx.Optimizer(...).opt_state)."
   if isinstance(state, optax.MultiStepsState):
-    hint += (
-      " This is optax.MultiSteps' state: read it with "
-      "optax.MultiSteps(...).has_updated(state) and state.mini_step."
-    )
+    hint += " For optax.MultiSteps' use optax.MultiSteps(...).has_updated."
   return validation.instance(
     state, WeightedMultiStepsState, what=f"{what}(state)", hint=hint
   )
@@ -83,7 +65,7 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> bool(wa.has_updated(state))
     True
   """
-  state = _wrapper_state(_unwrap(state), "has_updated")
+  state = _wrapper_state(state, "has_updated")
   return jnp.asarray(state.updated)
 
 
@@ -116,7 +98,7 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
     >>> int(c['mini_step']), int(c['issued']), c['total_weight']
     (1, 1, 7.0)
   """
-  state = _wrapper_state(_unwrap(state), "window_counters")
+  state = _wrapper_state(state, "window_counters")
   win = state.window
   return dict(
     mini_step=state.mini_step,
@@ -315,8 +297,7 @@ class WeightedMultiSteps:
     )
 
   def has_updated(self, state: WeightedMultiStepsState) -> jax.Array:
-    """Whether the last ``update`` applied a window (see
-    :func:`has_updated`)."""
+    """Whether the last ``update`` applied a window (:func:`has_updated`)."""
     return has_updated(state)
 
   def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:

@@ -1,10 +1,5 @@
 """An open window read or dropped without closing it: ``peek_mean`` and
-``discard`` (tunix's mid-window read of the mean gradient, and its reset).
-
-Both work on the functional API's :class:`~weighted_accum.AccumState` and on
-the optax wrapper's state (``nnx.Optimizer(...).opt_state`` included), and go
-through the kernels of :mod:`weighted_accum._src.core.open_window`.
-"""
+``discard``, of an :class:`~weighted_accum.AccumState` or the wrapper's state."""
 
 from __future__ import annotations
 
@@ -18,27 +13,22 @@ from weighted_accum._src.across_steps import held_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
-from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
-from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.core.open_window import _discard_kernel
-from weighted_accum._src.core.open_window import _peek_kernel
 from weighted_accum._src.errors import WeightedAccumulationError
-
-_HINT = (
-  "Pass the open window: an AccumState (wa.init, accumulate_*) or the "
-  "optax wrapper's state (WeightedMultiSteps.init / update)."
-)
+from weighted_accum._src.parallel import placed
 
 
 def _window(state: Any, what: str) -> AccumState:
-  state = held_state.view(state)  # nnx.Optimizer's opt_state, its State
+  """The open window of ``state`` (an AccumState or the wrapper's state)."""
+  state = held_state.view(state)
   if isinstance(state, WeightedMultiStepsState):
     return state.accum
+  hint = "Pass an AccumState (wa.init) or WeightedMultiSteps' state."
   return validation.instance(
-    state, AccumState, what=f"{what}(state)", hint=_HINT
+    state, AccumState, what=f"{what}(state)", hint=hint
   )
 
 
@@ -86,12 +76,7 @@ def peek_mean(
     >>> wa.peek_mean(state).grads['w'].item()   # (3*1 + 1*5) / 4
     2.0
   """
-  st = _window(state, "peek_mean")
-  if not base.plain(st):
-    return base.PLACED["peek_mean"](st)
-  if not tree_utils.is_traced(st.weight_hi):
-    validation.nonempty_window(st, what="peek_mean")
-  return _peek_kernel(st, ())
+  return placed.peek_mean(_window(state, "peek_mean"))
 
 
 def discard(
@@ -138,21 +123,16 @@ def discard(
     dtype=st.loss_scale.dtype,
   )
   finishing.shared_over_window(st, ls, "discard(next_loss_scale=...)")
-  wrapper = held_state.view(state)
+  new, wrapper = _discard_kernel(st, ls), held_state.view(state)
   if isinstance(wrapper, WeightedMultiStepsState):
     if ls is not None and wrapper.loss_scaler is not None:
       raise WeightedAccumulationError(
-        "discard(next_loss_scale=...): this wrapper's loss scale is a "
-        "DynamicLossScale, which sets each window's scale; drop the "
-        "argument."
+        "discard(next_loss_scale=...): a DynamicLossScale sets each window's "
+        "scale; drop the argument."
       )
-    new = _discard_kernel(st, ls)
-    wrapper = wrapper._replace(
+    new = wrapper._replace(
       acc_grads=new.grads,
       window=new.replace(grads=None),
       mini_step=jnp.zeros_like(wrapper.mini_step),
     )
-  else:
-    wrapper = _discard_kernel(st, ls)
-  # In the caller's types: nnx.Optimizer's Variables, an nnx.State's keys.
-  return held_state.rewrap(state, wrapper)
+  return held_state.rewrap(state, new)

@@ -1,14 +1,5 @@
-"""Flax linen: ``TrainState``, whose ``apply_gradients`` takes a weight.
-
-``flax.training.train_state.TrainState.apply_gradients(grads=..., **kwargs)``
-hands its keyword arguments to ``replace``, never to ``tx.update``, so a
-weighted accumulator cannot be reached through it. :class:`TrainState` is
-the same dataclass with an ``apply_gradients`` that forwards ``weight`` and
-``finish`` to the transformation (:class:`~weighted_accum.WeightedMultiSteps`
-or its ``gradient_transformation()``, alone or inside an
-``optax.chain``); with any other ``tx`` a weight would be ignored, so it is
-refused.
-"""
+"""Flax linen: ``TrainState``, whose ``apply_gradients`` forwards a weight to
+``tx.update`` (flax's hands its keyword arguments to ``replace``)."""
 
 from __future__ import annotations
 
@@ -62,9 +53,8 @@ class TrainState(train_state.TrainState):
   def create(
     cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any
   ) -> TrainState:
-    """As flax's ``create``, with ``step`` an int32 array (not the Python
-    int 0), so a fresh state is a restore template of the saved one and a
-    jitted step is not traced twice."""
+    """As flax's ``create``, with ``step`` an int32 array (a restore template;
+    one trace)."""
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.asarray(state.step, jnp.int32))
 
@@ -115,16 +105,12 @@ class TrainState(train_state.TrainState):
 
 
 def _check_weighted(opt_state: Any) -> None:
-  """Refuses a ``tx`` whose state holds no ``WeightedMultiStepsState``: its
-  ``update`` would not use the weight."""
+  """Refuses a ``tx`` whose state holds no ``WeightedMultiStepsState``."""
   is_ours = lambda x: isinstance(x, WeightedMultiStepsState)  # noqa: E731
   nodes = jax.tree.leaves(opt_state, is_leaf=is_ours)
   if not any(is_ours(x) for x in nodes):
     raise WeightedAccumulationError(
-      "TrainState.apply_gradients(weight=...): tx is not a weighted "
-      "accumulator (its state holds no WeightedMultiStepsState), so the "
-      "weight would be ignored: optax.MultiSteps averages microbatches "
-      "equally and a plain optimizer applies each one. Create the state "
-      "with tx=weighted_accum.WeightedMultiSteps(opt, every_k_schedule, "
-      "mode=...)."
+      "TrainState.apply_gradients(weight=...): tx holds no "
+      "WeightedMultiStepsState, so the weight would be ignored; create the "
+      "state with tx=weighted_accum.WeightedMultiSteps(opt, k, mode=...)."
     )
