@@ -25,7 +25,6 @@ from weighted_accum._src.core import base
 from weighted_accum._src.core import numerics
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window
-from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.loss_scale import DynamicLossScale
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.parallel import distributed
@@ -41,48 +40,48 @@ class Config(NamedTuple):
   dtype: np.dtype | None  # None: the params' (resolved by init)
   mode: str
   loss_scale: Any  # a stored scalar, or a DynamicLossScale
-  axis_name: tuple[str, ...] | None
+  placement: base.Placement  # of the windows init makes
   skip_nonfinite_updates: bool
 
 
 def configure(who: str, **kw: Any) -> Config:
   """Validates the constructor's arguments (optax's names), naming each."""
+  arg = lambda name: f"{who}({name}=...)"
+  flag = lambda name: validation.static_flag(kw[name], what=arg(name))
   validation.transformation(kw["opt"], what=f"{who}(opt)")
   dt = kw["accumulator_dtype"]
   if dt is not None:
-    dt = validation.work_dtype(dt, what=f"{who}(accumulator_dtype=...)")
+    dt = validation.work_dtype(dt, what=arg("accumulator_dtype"))
   ls = kw["loss_scale"]
   if not isinstance(ls, DynamicLossScale):
     ls = validation.loss_scale(
-      ls, what=f"{who}(loss_scale=...)", dtype=numerics.tally_dtype(dt)
+      ls, what=arg("loss_scale"), dtype=numerics.tally_dtype(dt)
     )
-  return Config(
-    inner=optax.with_extra_args_support(kw["opt"]),
-    every_k=validation.every_k(
-      kw["every_k_schedule"], what=f"{who}(every_k_schedule=...)"
-    ),
-    use_grad_mean=validation.static_flag(
-      kw["use_grad_mean"], what=f"{who}(use_grad_mean=...)"
-    ),
-    should_skip=validation.callable_or_none(
-      kw["should_skip_update_fn"],
-      what=f"{who}(should_skip_update_fn=...)",
-      hint="Pass a function (updates, gradient_step, params) -> "
-      "(should_skip, skip_state), e.g. optax.skip_not_finite, or None.",
-    ),
-    dtype=dt,
-    mode=validation.mode(kw["mode"], what=f"{who}(mode=...)"),
-    loss_scale=ls,
-    axis_name=validation.optional_axis_names(
-      kw["axis_name"], what=f"{who}(axis_name=...)"
-    ),
-    skip_nonfinite_updates=validation.static_flag(
-      kw["skip_nonfinite_updates"], what=f"{who}(skip_nonfinite_updates=...)"
-    ),
+  every_k = validation.every_k(
+    kw["every_k_schedule"], what=arg("every_k_schedule")
   )
-
-
-# ------------------------------------------------------------------- init --
+  use_grad_mean = flag("use_grad_mean")
+  should_skip = validation.callable_or_none(
+    kw["should_skip_update_fn"],
+    what=arg("should_skip_update_fn"),
+    hint="Pass (updates, gradient_step, params) -> (should_skip, skip_state),"
+    " e.g. optax.skip_not_finite, or None.",
+  )
+  mode = validation.mode(kw["mode"], what=arg("mode"))
+  axes = validation.optional_axis_names(kw["axis_name"], what=arg("axis_name"))
+  return Config(
+    optax.with_extra_args_support(kw["opt"]),
+    every_k,
+    use_grad_mean,
+    should_skip,
+    dt,
+    mode,
+    ls,
+    base.GLOBAL_WINDOW  # with axis_name every microbatch is reduced as it comes
+    if axes is None
+    else base.Placement(base.REPLICA, tuple(axes), "microbatch"),
+    flag("skip_nonfinite_updates"),
+  )
 
 
 def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
@@ -97,9 +96,7 @@ def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
     )
   scale = cfg.loss_scale if scaler is None else jnp.array(scaler.scale)
   accum = accumulation.init(params, dtype=cfg.dtype, loss_scale=scale)
-  if cfg.axis_name is not None:  # every microbatch is reduced as it comes
-    placement = base.Placement(base.REPLICA, tuple(cfg.axis_name), "microbatch")
-    accum = accum.replace(placement=placement)
+  accum = accum.replace(placement=cfg.placement)
   count = lambda: jnp.zeros((), jnp.int32)
   skip_state = ()
   if cfg.should_skip is not None:
@@ -125,9 +122,6 @@ def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
     ),
     params,
   )
-
-
-# ------------------------------------------------------------- accumulate --
 
 
 def _skip_verdict(cfg: Config, grads: Any, state, params) -> tuple[Any, Any]:
@@ -176,12 +170,7 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
       jnp.where(skip, 0, w.hi), jnp.where(skip, 0, w.lo), w.ok | skip
     )
   new = accumulation.add(
-    accum,
-    grads,
-    w,
-    mean=mean,
-    name=name,
-    allow_reduced=reduced,
+    accum, grads, w, mean=mean, name=name, allow_reduced=reduced
   )
   if skip is not None:
     old = base.of(accum)
@@ -189,9 +178,6 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
       **{k: jnp.where(skip, old[k], v) for k, v in base.of(new).items()}
     )
   return new, skip, skip_state
-
-
-# -------------------------------------------------------------- the close --
 
 
 class _Plan(NamedTuple):
@@ -240,26 +226,19 @@ def _plan(cfg: Config, state, grads, params, extra_args) -> _Plan:
   return _Plan(update, shapes, carry, dtypes)
 
 
-class _Closed(NamedTuple):
-  """What :func:`_close` returns."""
-
-  carrier: Any
-  inner_state: Any
-  counters: AccumState
-  applied: jax.Array
-  nonfinite: jax.Array
-  empty: jax.Array
-  scaler: DynamicLossScale | None
-
-
 def _adjusted(scaler: DynamicLossScale, out) -> DynamicLossScale:
   """GradScaler's rule after ``out``; an empty window leaves it as it was."""
   new = scaler.adjust(out.finite)
   return jax.tree.map(lambda a, b: jnp.where(out.weight > 0, a, b), new, scaler)
 
 
-def _close(cfg, plan, next_ls, closing, accum, state, params) -> _Closed:
-  """Closes the window where ``closing`` (one conditional; see the module)."""
+def _count(flag: jax.Array) -> jax.Array:
+  return flag.astype(jnp.int32)
+
+
+def _close(cfg, plan, next_ls, closing, accum, state, params):
+  """Closes the window where ``closing`` (one conditional: see the module);
+  returns the updates and the next state (``mini_step``, skips: the caller's)."""
   buffers, scaler = accum.grads, state.loss_scaler
 
   def apply(g, operands):
@@ -292,56 +271,27 @@ def _close(cfg, plan, next_ls, closing, accum, state, params) -> _Closed:
   pick = lambda a, b: jnp.where(closing, a, b)
   if scaler is not None:
     scaler = jax.tree.map(pick, _adjusted(scaler, out), scaler)
-  nonempty = closing & (out.weight > 0)
-  new_counters, old = base.of(new), base.of(accum)
-  return _Closed(
-    carrier=carrier,
-    inner_state=new_inner,
-    counters=accum.replace(
-      grads=None, **{k: pick(v, old[k]) for k, v in new_counters.items()}
-    ),
-    applied=applied,
-    nonfinite=nonempty & ~applied,
-    empty=closing & ~(out.weight > 0),
-    scaler=scaler,
-  )
-
-
-def _outputs(closed: _Closed, plan: _Plan, buffers: Any) -> tuple[Any, Any]:
-  """The returned updates and the next buffers (overwritten at mini_step 0)."""
+  old, nonempty = base.of(accum), out.weight > 0
+  nonfinite = closing & nonempty & ~applied
   updates = jax.tree.map(
-    lambda c, s: jnp.where(closed.applied, c, jnp.zeros((), c.dtype)).astype(
-      s.dtype
-    ),
-    closed.carrier,
+    lambda c, s: jnp.where(applied, c, jnp.zeros((), c.dtype)).astype(s.dtype),
+    carrier,
     plan.shapes,
   )
-  return updates, closed.carrier if plan.carry else buffers
-
-
-# ---------------------------------------------------------------- update --
-
-
-def _count(flag: jax.Array) -> jax.Array:
-  return flag.astype(jnp.int32)
-
-
-def _next_state(state, closed, buffers, closing, mini_step, accum, skip_state):
-  newly_rejected = accum.rejected - state.window.rejected
-  return WeightedMultiStepsState(
-    mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
-    gradient_step=state.gradient_step + _count(closed.applied),
-    inner_opt_state=closed.inner_state,
-    acc_grads=buffers,
-    skip_state=skip_state,
-    window=closed.counters,
-    updated=closed.applied,
-    nonfinite=closed.nonfinite,
-    nonfinite_windows=state.nonfinite_windows + _count(closed.nonfinite),
-    empty_windows=state.empty_windows + _count(closed.empty),
-    skipped=state.skipped,
-    rejected=state.rejected + newly_rejected.astype(jnp.int32),
-    loss_scaler=closed.scaler,
+  return updates, state._replace(
+    gradient_step=state.gradient_step + _count(applied),
+    inner_opt_state=new_inner,
+    acc_grads=carrier if plan.carry else buffers,  # stale ones: unread
+    window=accum.replace(
+      grads=None, **{k: pick(v, old[k]) for k, v in base.of(new).items()}
+    ),
+    updated=applied,
+    nonfinite=nonfinite,
+    nonfinite_windows=state.nonfinite_windows + _count(nonfinite),
+    empty_windows=state.empty_windows + _count(closing & ~nonempty),
+    rejected=state.rejected
+    + (accum.rejected - state.window.rejected).astype(jnp.int32),
+    loss_scaler=scaler,
   )
 
 
@@ -419,10 +369,10 @@ def update(
   mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
   closing = _closes(cfg, finish, mini_step, state.gradient_step)
   plan = _plan(cfg, state, grads, params, extra_args)
-  closed = _close(cfg, plan, next_ls, closing, accum, state, params)
-  updates, buffers = _outputs(closed, plan, accum.grads)
-  new = _next_state(
-    state, closed, buffers, closing, mini_step, accum, skip_state
+  updates, new = _close(cfg, plan, next_ls, closing, accum, state, params)
+  new = new._replace(
+    mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
+    skip_state=skip_state,
   )
   if skip is not None:
     new = new._replace(skipped=state.skipped + _count(skip))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from weighted_accum._src import validation
-from weighted_accum._src.across_steps import held_state
+from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
@@ -23,7 +23,7 @@ from weighted_accum._src.parallel import placed
 
 def _window(state: Any, what: str) -> AccumState:
   """The open window of ``state`` (an AccumState or the wrapper's state)."""
-  state = held_state.view(state)
+  state = wrapper_state.view(state)
   if isinstance(state, WeightedMultiStepsState):
     return state.accum
   hint = "Pass an AccumState (wa.init) or WeightedMultiSteps' state."
@@ -38,32 +38,22 @@ def peek_mean(
 ) -> AccumulatedGradients:
   """The open window's mean gradient, read without closing the window.
 
-  What :func:`~weighted_accum.finish_mean` would return now (the sums
-  divided by the loss scale, then by the total weight), but the window stays
-  open: keep accumulating into ``state`` and close it as usual. For the
-  optax wrapper's state it is the mean gradient, what the inner optimizer
-  would get at a close now with ``use_grad_mean=True`` (the default; with
-  ``False`` it gets the sum, i.e. this mean times the window's weight).
+  What :func:`~weighted_accum.finish_mean` would return now, but the window
+  stays open. A per-replica or stacked window gives the global mean,
+  identical on every replica.
 
   Args:
     state: an :class:`~weighted_accum.AccumState`, or a
       :class:`~weighted_accum.WeightedMultiStepsState` (also
       ``nnx.Optimizer(...).opt_state``).
 
-  A per-replica window (``wa.init(..., axis_name=...)``, or a wrapper built
-  with ``axis_name``) gives the global mean, reduced in one collective
-  round, identical on every replica; a stacked window under plain ``jit``
-  is reduced once too.
-
   Returns:
     An :class:`~weighted_accum.AccumulatedGradients`, as ``finish_mean``'s
-    (under ``jit``, zero grads and ``valid=False`` for a window of zero
-    total weight).
+    (under ``jit``, ``valid=False`` for a window of zero total weight).
 
   Raises:
-    WeightedAccumulationError: for a state that is neither, a per-replica
-      window outside the ``shard_map`` of its axes, or (eagerly) a window of
-      zero total weight.
+    WeightedAccumulationError: for another state, a window outside its
+      ``shard_map``, or (eagerly) a window of zero total weight.
 
   Example:
     >>> import jax.numpy as jnp
@@ -86,25 +76,21 @@ def discard(
 ) -> AccumState | WeightedMultiStepsState:
   """Drops the open window: its microbatches are thrown away, unapplied.
 
-  Returns the empty window a finish would open (zero buffers on the params'
-  shardings, the window's counters reset, ``windows`` counting it as
-  closed); the optax wrapper's state also gets ``mini_step`` 0, and its inner
-  optimizer, ``gradient_step`` and other counters are untouched. Use it to
-  drop a window known to be bad (a data error found mid-window, a
-  preemption's partial window) without applying it.
+  Returns the empty window a finish would open (``windows`` counts it); the
+  optax wrapper's state also gets ``mini_step`` 0, its inner optimizer and
+  other counters untouched.
 
   Args:
     state: an :class:`~weighted_accum.AccumState` or a
       :class:`~weighted_accum.WeightedMultiStepsState`.
-    next_loss_scale: the new window's loss scale (default: unchanged); not
-      with a wrapper whose loss scale is a ``DynamicLossScale`` (the scaler
-      sets it).
+    next_loss_scale: the new window's loss scale (default: unchanged; not
+      with a ``DynamicLossScale``).
 
   Returns:
     The state, of the same type, with an empty window.
 
   Raises:
-    WeightedAccumulationError: for a state that is neither, or an invalid
+    WeightedAccumulationError: for another state or an invalid
       ``next_loss_scale``.
 
   Example:
@@ -116,14 +102,13 @@ def discard(
     >>> state.total_weight, int(state.issued), state.grads['w'].tolist()
     (0.0, 0, [0.0, 0.0])
   """
-  st = _window(state, "discard")
+  what, wrapper = "discard(next_loss_scale=...)", wrapper_state.view(state)
+  st = _window(wrapper, "discard")
   ls = validation.optional_loss_scale(
-    next_loss_scale,
-    what="discard(next_loss_scale=...)",
-    dtype=st.loss_scale.dtype,
+    next_loss_scale, what=what, dtype=st.loss_scale.dtype
   )
-  finishing.shared_over_window(st, ls, "discard(next_loss_scale=...)")
-  new, wrapper = _discard_kernel(st, ls), held_state.view(state)
+  finishing.shared_over_window(st, ls, what)
+  new = _discard_kernel(st, ls)
   if isinstance(wrapper, WeightedMultiStepsState):
     if ls is not None and wrapper.loss_scaler is not None:
       raise WeightedAccumulationError(
@@ -135,4 +120,4 @@ def discard(
       window=new.replace(grads=None),
       mini_step=jnp.zeros_like(wrapper.mini_step),
     )
-  return held_state.rewrap(state, new)
+  return wrapper_state.rewrap(state, new)
