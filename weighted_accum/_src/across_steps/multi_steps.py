@@ -53,18 +53,13 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> import jax.numpy as jnp, optax
     >>> import weighted_accum as wa
     >>> tx = wa.WeightedMultiSteps(optax.sgd(0.1), 2, mode='mean')
-    >>> params = {'w': jnp.zeros(2)}
-    >>> state = tx.init(params)
-    >>> g = {'w': jnp.ones(2)}
-    >>> _, state = tx.update(g, state, params, weight=3)
-    >>> bool(wa.has_updated(state))
-    False
-    >>> _, state = tx.update(g, state, params, weight=1)
-    >>> bool(wa.has_updated(state))
-    True
+    >>> p = {'w': jnp.zeros(2)}
+    >>> _, s1 = tx.update(p, tx.init(p), p, weight=3)
+    >>> _, s2 = tx.update(p, s1, p, weight=1)
+    >>> bool(wa.has_updated(s1)), bool(wa.has_updated(s2))
+    (False, True)
   """
-  state = _wrapper_state(state, "has_updated")
-  return jnp.asarray(state.updated)
+  return jnp.asarray(_wrapper_state(state, "has_updated").updated)
 
 
 def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
@@ -159,8 +154,6 @@ class WeightedMultiSteps:
     ([-1.0, -2.0], True)
   """
 
-  _who = "WeightedMultiSteps"  # how errors name the constructor
-
   def __init__(
     self,
     opt: optax.GradientTransformation,
@@ -176,7 +169,7 @@ class WeightedMultiSteps:
   ):
     args = dict(locals())  # the constructor's arguments, by name
     del args["self"]
-    self._cfg = step.configure(self._who, **args)
+    self._cfg = step.configure(**args)
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -209,20 +202,17 @@ class WeightedMultiSteps:
 
     Args:
       updates: the microbatch's gradients (of its loss mean or sum, per
-        ``mode``), a tree like the params in any floating dtype.
+        ``mode``), a tree like the params.
       state: the state from ``init`` or the previous call.
       params: the params (needed by some inner optimizers).
-      weight: required: the microbatch's effective item count (a scalar;
-        traced values never recompile).
-      finish: a bool scalar (may be traced): close the window after this
-        microbatch.
+      weight: required: the microbatch's item count (a scalar, may be traced).
+      finish: a bool scalar (may be traced): close the window after this one.
       next_loss_scale: the loss scale of the window after a close.
       **extra_args: forwarded to the inner optimizer at a close.
 
     Returns:
-      ``(updates, new_state)``: the inner optimizer's updates at a close
-      that applied a window, zeros otherwise, in the dtypes
-      ``optax.MultiSteps`` returns.
+      ``(updates, new_state)``: the inner updates at a close that applied a
+      window, zeros otherwise (in ``optax.MultiSteps``' dtypes).
 
     Raises:
       WeightedAccumulationError: for a missing or invalid ``weight``, another

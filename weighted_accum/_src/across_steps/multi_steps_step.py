@@ -44,11 +44,11 @@ class Config(NamedTuple):
   skip_nonfinite_updates: bool
 
 
-def configure(who: str, **kw: Any) -> Config:
+def configure(**kw: Any) -> Config:
   """Validates the constructor's arguments (optax's names), naming each."""
-  arg = lambda name: f"{who}({name}=...)"
+  arg = lambda name: f"WeightedMultiSteps({name}=...)"
   flag = lambda name: validation.static_flag(kw[name], what=arg(name))
-  validation.transformation(kw["opt"], what=f"{who}(opt)")
+  validation.transformation(kw["opt"], what="WeightedMultiSteps(opt)")
   dt = kw["accumulator_dtype"]
   if dt is not None:
     dt = validation.work_dtype(dt, what=arg("accumulator_dtype"))
@@ -97,31 +97,25 @@ def init(cfg: Config, params: Any) -> WeightedMultiStepsState:
   scale = cfg.loss_scale if scaler is None else jnp.array(scaler.scale)
   accum = accumulation.init(params, dtype=cfg.dtype, loss_scale=scale)
   accum = accum.replace(placement=cfg.placement)
-  count = lambda: jnp.zeros((), jnp.int32)
+  zero = lambda dtype=jnp.int32: jnp.zeros((), dtype)  # one array per field
   skip_state = ()
   if cfg.should_skip is not None:
     _, skip_state = cfg.should_skip(
-      optax.tree.zeros_like(params), count(), params
+      optax.tree.zeros_like(params), zero(), params
     )
-  # Committed like the params, as a jitted step returns them (one compile).
-  return tree_utils.commit_like(
-    WeightedMultiStepsState(
-      mini_step=count(),
-      gradient_step=count(),
-      inner_opt_state=cfg.inner.init(params),
-      acc_grads=accum.grads,
-      skip_state=skip_state,
-      window=accum.replace(grads=None),
-      updated=jnp.zeros((), jnp.bool_),
-      nonfinite=jnp.zeros((), jnp.bool_),
-      nonfinite_windows=count(),
-      empty_windows=count(),
-      skipped=count(),
-      rejected=count(),
-      loss_scaler=scaler,
-    ),
-    params,
+  counts = ("mini_step", "gradient_step", "nonfinite_windows", "empty_windows")
+  state = WeightedMultiStepsState(
+    inner_opt_state=cfg.inner.init(params),
+    acc_grads=accum.grads,
+    skip_state=skip_state,
+    window=accum.replace(grads=None),
+    updated=zero(jnp.bool_),
+    nonfinite=zero(jnp.bool_),
+    loss_scaler=scaler,
+    **{k: zero() for k in counts + ("skipped", "rejected")},
   )
+  # Committed like the params, as a jitted step returns them (one compile).
+  return tree_utils.commit_like(state, params)
 
 
 def _skip_verdict(cfg: Config, grads: Any, state, params) -> tuple[Any, Any]:

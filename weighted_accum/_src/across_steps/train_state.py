@@ -23,12 +23,8 @@ _OWG = train_state.OVERWRITE_WITH_GRADIENT
 class TrainState(train_state.TrainState):
   """A ``flax.training.train_state.TrainState`` for a weighted accumulator.
 
-  Create it as flax's (``TrainState.create(apply_fn=..., params=...,
-  tx=...)``) with ``tx`` a :class:`~weighted_accum.WeightedMultiSteps` (or
-  its ``gradient_transformation()``); it is a pytree, so it goes through
-  ``jax.jit`` and :class:`~weighted_accum.checkpoint.AccumSave` whole.
-
-  ``step`` counts ``apply_gradients`` calls (microbatches), as in flax;
+  Create it as flax's, with ``tx`` a :class:`~weighted_accum.WeightedMultiSteps`
+  (or its ``gradient_transformation()``). ``step`` counts microbatches;
   ``opt_state.gradient_step`` counts the windows applied.
 
   Example:
@@ -70,31 +66,28 @@ class TrainState(train_state.TrainState):
     """Accumulates one microbatch; at a window's close applies its update.
 
     Args:
-      grads: the microbatch's gradients, shaped like ``params`` (of its
-        loss mean or sum, as the transformation's ``mode`` says).
-      weight: the microbatch's effective item count (tokens, samples).
+      grads: the microbatch's gradients, shaped like ``params``.
+      weight: the microbatch's item count (tokens, samples).
       finish: close the window after this microbatch (a bool scalar).
       next_loss_scale: the loss scale of the window after a close.
       **kwargs: other fields to ``replace``, as in flax.
 
     Returns:
-      The new state: ``step`` incremented, ``params`` updated (unchanged
-      mid-window), ``opt_state`` advanced.
+      The new state (``params`` unchanged mid-window).
 
     Raises:
-      WeightedAccumulationError: when ``tx`` holds no weighted accumulator
-        (``optax.MultiSteps`` or a plain optimizer would ignore the weight),
-        and as the transformation's ``update``.
+      WeightedAccumulationError: when ``tx`` holds no weighted accumulator,
+        and as ``WeightedMultiSteps.update``.
     """
     _check_weighted(self.opt_state)
     owg = not hasattr(grads, "shape") and _OWG in grads
     grads_opt = grads["params"] if owg else grads
     params_opt = self.params["params"] if owg else self.params
-    update_kwargs = dict(weight=weight, finish=finish)
+    kw = dict(weight=weight, finish=finish)
     if next_loss_scale is not None:
-      update_kwargs["next_loss_scale"] = next_loss_scale
+      kw["next_loss_scale"] = next_loss_scale
     updates, opt_state = self.tx.update(
-      grads_opt, self.opt_state, params_opt, **update_kwargs
+      grads_opt, self.opt_state, params_opt, **kw
     )
     new_params = optax.apply_updates(params_opt, updates)
     if owg:
