@@ -12,7 +12,6 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 import optax
 
-from weighted_accum._src import validation
 from weighted_accum._src.across_steps import multi_steps_step as step
 from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
@@ -25,17 +24,6 @@ __all__ = [
   "has_updated",
   "window_counters",
 ]
-
-
-def _wrapper_state(state: Any, what: str) -> WeightedMultiStepsState:
-  """``state`` (nnx-held ones unwrapped) if it is this wrapper's state."""
-  state = wrapper_state.view(state)
-  hint = "Pass wa.WeightedMultiSteps' state (or nnx.Optimizer(...).opt_state)."
-  if isinstance(state, optax.MultiStepsState):
-    hint += " For optax.MultiSteps' use optax.MultiSteps(...).has_updated."
-  return validation.instance(
-    state, WeightedMultiStepsState, what=f"{what}(state)", hint=hint
-  )
 
 
 def has_updated(state: WeightedMultiStepsState) -> jax.Array:
@@ -59,7 +47,9 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> bool(wa.has_updated(s1)), bool(wa.has_updated(s2))
     (False, True)
   """
-  return jnp.asarray(_wrapper_state(state, "has_updated").updated)
+  return jnp.asarray(
+    wrapper_state.checked(wrapper_state.view(state), "has_updated").updated
+  )
 
 
 def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
@@ -86,7 +76,7 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
     >>> int(c['mini_step']), int(c['issued']), c['total_weight']
     (1, 1, 7.0)
   """
-  state = _wrapper_state(state, "window_counters")
+  state = wrapper_state.checked(wrapper_state.view(state), "window_counters")
   names = ("issued", "zero_weight", "rejected", "total_weight", "loss_scale")
   return dict(mini_step=state.mini_step) | {
     k: getattr(state.window, k) for k in names

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from weighted_accum._src import validation
+from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
@@ -299,17 +300,7 @@ def _closes(cfg: Config, finish, mini_step, gradient_step) -> jax.Array:
 
 def _check_call(cfg: Config, state: Any, weight: Any, next_ls: Any) -> Any:
   """Checks the call's state and weight; returns the next loss scale."""
-  if isinstance(state, optax.MultiStepsState):
-    raise WeightedAccumulationError(
-      "WeightedMultiSteps.update(state): got an optax.MultiStepsState; "
-      "initialise it with this transformation's tx.init(params)."
-    )
-  validation.instance(
-    state,
-    WeightedMultiStepsState,
-    what="WeightedMultiSteps.update(state)",
-    hint="Pass the state from tx.init(params) or the previous update.",
-  )
+  wrapper_state.checked(state, "WeightedMultiSteps.update")
   if weight is None:
     raise WeightedAccumulationError(
       "WeightedMultiSteps.update: weight= is required (the microbatch's item "

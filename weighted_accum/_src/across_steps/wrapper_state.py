@@ -10,7 +10,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from weighted_accum._src import validation
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.loss_scale import DynamicLossScale
@@ -71,6 +73,16 @@ class WeightedMultiStepsState(NamedTuple):
   def inner_state(self) -> Any:
     """Alias of :attr:`inner_opt_state`."""
     return self.inner_opt_state
+
+
+def checked(state: Any, what: str) -> WeightedMultiStepsState:
+  """``state`` if it is the wrapper's state; refused by name (optax's too)."""
+  hint = "Pass wa.WeightedMultiSteps' state (or nnx.Optimizer(...).opt_state)."
+  if isinstance(state, optax.MultiStepsState):
+    hint += " For optax.MultiSteps' use optax.MultiSteps(...).has_updated."
+  return validation.instance(
+    state, WeightedMultiStepsState, what=f"{what}(state)", hint=hint
+  )
 
 
 # Fields a nnx.State drops: it keeps no empty subtree and no None.
