@@ -18,13 +18,6 @@ from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
 
-__all__ = [
-  "WeightedMultiSteps",
-  "WeightedMultiStepsState",
-  "has_updated",
-  "window_counters",
-]
-
 
 def has_updated(state: WeightedMultiStepsState) -> jax.Array:
   """Whether the last ``update`` closed a window and applied the inner update.

@@ -15,8 +15,6 @@ from weighted_accum._src.across_steps.wrapper_state import (
 )
 from weighted_accum._src.errors import WeightedAccumulationError
 
-__all__ = ["TrainState"]
-
 _OWG = train_state.OVERWRITE_WITH_GRADIENT
 
 
