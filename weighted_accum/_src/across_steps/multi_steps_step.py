@@ -152,12 +152,11 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
     skip, skip_state = _skip_verdict(cfg, grads, state, params)
   else:
     axes = validation.bound_axes(accum.placement.axes, what=f"{name}(state)")
-    grads, total = distributed.reduce_microbatch(
+    grads, w = distributed.reduce_microbatch(  # w: the global Weight
       accum, grads, w, axes, mean=mean, what=name
     )
-    w = accumulation.convert_weight(accum, total, name)
     skip, skip_state = _skip_verdict(
-      cfg, _global_grads(grads, total.hi + total.lo, mean), state, params
+      cfg, _global_grads(grads, w.hi + w.lo, mean), state, params
     )
     mean = False  # the global contribution is a sum already
   if skip is not None:
