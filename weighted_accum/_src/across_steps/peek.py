@@ -1,10 +1,5 @@
 """An open window read or dropped without closing it: ``peek_mean`` and
-``discard`` (tunix's mid-window read of the mean gradient, and its reset).
-
-Both work on the functional API's :class:`~weighted_accum.AccumState` and on
-the optax wrapper's state (``nnx.Optimizer(...).opt_state`` included), and go
-through the kernels of :mod:`weighted_accum._src.core.open_window`.
-"""
+``discard``, of an :class:`~weighted_accum.AccumState` or the wrapper's state."""
 
 from __future__ import annotations
 
@@ -14,31 +9,26 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from weighted_accum._src import validation
-from weighted_accum._src.across_steps import held_state
+from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
-from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
-from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
 from weighted_accum._src.core.open_window import _discard_kernel
-from weighted_accum._src.core.open_window import _peek_kernel
 from weighted_accum._src.errors import WeightedAccumulationError
-
-_HINT = (
-  "Pass the open window: an AccumState (wa.init, accumulate_*) or the "
-  "optax wrapper's state (WeightedMultiSteps.init / update)."
-)
+from weighted_accum._src.parallel import placed
 
 
 def _window(state: Any, what: str) -> AccumState:
-  state = held_state.view(state)  # nnx.Optimizer's opt_state, its State
+  """The open window of ``state`` (an AccumState or the wrapper's state)."""
+  state = wrapper_state.view(state)
   if isinstance(state, WeightedMultiStepsState):
     return state.accum
+  hint = "Pass an AccumState (wa.init) or WeightedMultiSteps' state."
   return validation.instance(
-    state, AccumState, what=f"{what}(state)", hint=_HINT
+    state, AccumState, what=f"{what}(state)", hint=hint
   )
 
 
@@ -48,32 +38,22 @@ def peek_mean(
 ) -> AccumulatedGradients:
   """The open window's mean gradient, read without closing the window.
 
-  What :func:`~weighted_accum.finish_mean` would return now (the sums
-  divided by the loss scale, then by the total weight), but the window stays
-  open: keep accumulating into ``state`` and close it as usual. For the
-  optax wrapper's state it is the mean gradient, what the inner optimizer
-  would get at a close now with ``use_grad_mean=True`` (the default; with
-  ``False`` it gets the sum, i.e. this mean times the window's weight).
+  What :func:`~weighted_accum.finish_mean` would return now, but the window
+  stays open. A per-replica or stacked window gives the global mean,
+  identical on every replica.
 
   Args:
     state: an :class:`~weighted_accum.AccumState`, or a
       :class:`~weighted_accum.WeightedMultiStepsState` (also
       ``nnx.Optimizer(...).opt_state``).
 
-  A per-replica window (``wa.init(..., axis_name=...)``, or a wrapper built
-  with ``axis_name``) gives the global mean, reduced in one collective
-  round, identical on every replica; a stacked window under plain ``jit``
-  is reduced once too.
-
   Returns:
     An :class:`~weighted_accum.AccumulatedGradients`, as ``finish_mean``'s
-    (under ``jit``, zero grads and ``valid=False`` for a window of zero
-    total weight).
+    (under ``jit``, ``valid=False`` for a window of zero total weight).
 
   Raises:
-    WeightedAccumulationError: for a state that is neither, a per-replica
-      window outside the ``shard_map`` of its axes, or (eagerly) a window of
-      zero total weight.
+    WeightedAccumulationError: for another state, a window outside its
+      ``shard_map``, or (eagerly) a window of zero total weight.
 
   Example:
     >>> import jax.numpy as jnp
@@ -86,12 +66,7 @@ def peek_mean(
     >>> wa.peek_mean(state).grads['w'].item()   # (3*1 + 1*5) / 4
     2.0
   """
-  st = _window(state, "peek_mean")
-  if not base.plain(st):
-    return base.PLACED["peek_mean"](st)
-  if not tree_utils.is_traced(st.weight_hi):
-    validation.nonempty_window(st, what="peek_mean")
-  return _peek_kernel(st, ())
+  return placed.peek_mean(_window(state, "peek_mean"))
 
 
 def discard(
@@ -101,25 +76,21 @@ def discard(
 ) -> AccumState | WeightedMultiStepsState:
   """Drops the open window: its microbatches are thrown away, unapplied.
 
-  Returns the empty window a finish would open (zero buffers on the params'
-  shardings, the window's counters reset, ``windows`` counting it as
-  closed); the optax wrapper's state also gets ``mini_step`` 0, and its inner
-  optimizer, ``gradient_step`` and other counters are untouched. Use it to
-  drop a window known to be bad (a data error found mid-window, a
-  preemption's partial window) without applying it.
+  Returns the empty window a finish would open (``windows`` counts it); the
+  optax wrapper's state also gets ``mini_step`` 0, its inner optimizer and
+  other counters untouched.
 
   Args:
     state: an :class:`~weighted_accum.AccumState` or a
       :class:`~weighted_accum.WeightedMultiStepsState`.
-    next_loss_scale: the new window's loss scale (default: unchanged); not
-      with a wrapper whose loss scale is a ``DynamicLossScale`` (the scaler
-      sets it).
+    next_loss_scale: the new window's loss scale (default: unchanged; not
+      with a ``DynamicLossScale``).
 
   Returns:
     The state, of the same type, with an empty window.
 
   Raises:
-    WeightedAccumulationError: for a state that is neither, or an invalid
+    WeightedAccumulationError: for another state or an invalid
       ``next_loss_scale``.
 
   Example:
@@ -131,28 +102,22 @@ def discard(
     >>> state.total_weight, int(state.issued), state.grads['w'].tolist()
     (0.0, 0, [0.0, 0.0])
   """
-  st = _window(state, "discard")
+  what, wrapper = "discard(next_loss_scale=...)", wrapper_state.view(state)
+  st = _window(wrapper, "discard")
   ls = validation.optional_loss_scale(
-    next_loss_scale,
-    what="discard(next_loss_scale=...)",
-    dtype=st.loss_scale.dtype,
+    next_loss_scale, what=what, dtype=st.loss_scale.dtype
   )
-  finishing.shared_over_window(st, ls, "discard(next_loss_scale=...)")
-  wrapper = held_state.view(state)
+  finishing.shared_over_window(st, ls, what)
+  new = _discard_kernel(st, ls)
   if isinstance(wrapper, WeightedMultiStepsState):
     if ls is not None and wrapper.loss_scaler is not None:
       raise WeightedAccumulationError(
-        "discard(next_loss_scale=...): this wrapper's loss scale is a "
-        "DynamicLossScale, which sets each window's scale; drop the "
-        "argument."
+        "discard(next_loss_scale=...): a DynamicLossScale sets each window's "
+        "scale; drop the argument."
       )
-    new = _discard_kernel(st, ls)
-    wrapper = wrapper._replace(
+    new = wrapper._replace(
       acc_grads=new.grads,
       window=new.replace(grads=None),
       mini_step=jnp.zeros_like(wrapper.mini_step),
     )
-  else:
-    wrapper = _discard_kernel(st, ls)
-  # In the caller's types: nnx.Optimizer's Variables, an nnx.State's keys.
-  return held_state.rewrap(state, wrapper)
+  return wrapper_state.rewrap(state, new)

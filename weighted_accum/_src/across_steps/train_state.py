@@ -1,14 +1,5 @@
-"""Flax linen: ``TrainState``, whose ``apply_gradients`` takes a weight.
-
-``flax.training.train_state.TrainState.apply_gradients(grads=..., **kwargs)``
-hands its keyword arguments to ``replace``, never to ``tx.update``, so a
-weighted accumulator cannot be reached through it. :class:`TrainState` is
-the same dataclass with an ``apply_gradients`` that forwards ``weight`` and
-``finish`` to the transformation (:class:`~weighted_accum.WeightedMultiSteps`
-or its ``gradient_transformation()``, alone or inside an
-``optax.chain``); with any other ``tx`` a weight would be ignored, so it is
-refused.
-"""
+"""Flax linen: ``TrainState``, whose ``apply_gradients`` forwards a weight to
+``tx.update`` (flax's hands its keyword arguments to ``replace``)."""
 
 from __future__ import annotations
 
@@ -24,20 +15,14 @@ from weighted_accum._src.across_steps.wrapper_state import (
 )
 from weighted_accum._src.errors import WeightedAccumulationError
 
-__all__ = ["TrainState"]
-
 _OWG = train_state.OVERWRITE_WITH_GRADIENT
 
 
 class TrainState(train_state.TrainState):
   """A ``flax.training.train_state.TrainState`` for a weighted accumulator.
 
-  Create it as flax's (``TrainState.create(apply_fn=..., params=...,
-  tx=...)``) with ``tx`` a :class:`~weighted_accum.WeightedMultiSteps` (or
-  its ``gradient_transformation()``); it is a pytree, so it goes through
-  ``jax.jit`` and :class:`~weighted_accum.checkpoint.AccumSave` whole.
-
-  ``step`` counts ``apply_gradients`` calls (microbatches), as in flax;
+  Create it as flax's, with ``tx`` a :class:`~weighted_accum.WeightedMultiSteps`
+  (or its ``gradient_transformation()``). ``step`` counts microbatches;
   ``opt_state.gradient_step`` counts the windows applied.
 
   Example:
@@ -62,9 +47,8 @@ class TrainState(train_state.TrainState):
   def create(
     cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any
   ) -> TrainState:
-    """As flax's ``create``, with ``step`` an int32 array (not the Python
-    int 0), so a fresh state is a restore template of the saved one and a
-    jitted step is not traced twice."""
+    """As flax's ``create``, with ``step`` an int32 array (a restore template;
+    one trace)."""
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.asarray(state.step, jnp.int32))
 
@@ -80,31 +64,28 @@ class TrainState(train_state.TrainState):
     """Accumulates one microbatch; at a window's close applies its update.
 
     Args:
-      grads: the microbatch's gradients, shaped like ``params`` (of its
-        loss mean or sum, as the transformation's ``mode`` says).
-      weight: the microbatch's effective item count (tokens, samples).
+      grads: the microbatch's gradients, shaped like ``params``.
+      weight: the microbatch's item count (tokens, samples).
       finish: close the window after this microbatch (a bool scalar).
       next_loss_scale: the loss scale of the window after a close.
       **kwargs: other fields to ``replace``, as in flax.
 
     Returns:
-      The new state: ``step`` incremented, ``params`` updated (unchanged
-      mid-window), ``opt_state`` advanced.
+      The new state (``params`` unchanged mid-window).
 
     Raises:
-      WeightedAccumulationError: when ``tx`` holds no weighted accumulator
-        (``optax.MultiSteps`` or a plain optimizer would ignore the weight),
-        and as the transformation's ``update``.
+      WeightedAccumulationError: when ``tx`` holds no weighted accumulator,
+        and as ``WeightedMultiSteps.update``.
     """
     _check_weighted(self.opt_state)
     owg = not hasattr(grads, "shape") and _OWG in grads
     grads_opt = grads["params"] if owg else grads
     params_opt = self.params["params"] if owg else self.params
-    update_kwargs = dict(weight=weight, finish=finish)
+    kw = dict(weight=weight, finish=finish)
     if next_loss_scale is not None:
-      update_kwargs["next_loss_scale"] = next_loss_scale
+      kw["next_loss_scale"] = next_loss_scale
     updates, opt_state = self.tx.update(
-      grads_opt, self.opt_state, params_opt, **update_kwargs
+      grads_opt, self.opt_state, params_opt, **kw
     )
     new_params = optax.apply_updates(params_opt, updates)
     if owg:
@@ -115,16 +96,12 @@ class TrainState(train_state.TrainState):
 
 
 def _check_weighted(opt_state: Any) -> None:
-  """Refuses a ``tx`` whose state holds no ``WeightedMultiStepsState``: its
-  ``update`` would not use the weight."""
+  """Refuses a ``tx`` whose state holds no ``WeightedMultiStepsState``."""
   is_ours = lambda x: isinstance(x, WeightedMultiStepsState)  # noqa: E731
   nodes = jax.tree.leaves(opt_state, is_leaf=is_ours)
   if not any(is_ours(x) for x in nodes):
     raise WeightedAccumulationError(
-      "TrainState.apply_gradients(weight=...): tx is not a weighted "
-      "accumulator (its state holds no WeightedMultiStepsState), so the "
-      "weight would be ignored: optax.MultiSteps averages microbatches "
-      "equally and a plain optimizer applies each one. Create the state "
-      "with tx=weighted_accum.WeightedMultiSteps(opt, every_k_schedule, "
-      "mode=...)."
+      "TrainState.apply_gradients(weight=...): tx holds no "
+      "WeightedMultiStepsState, so the weight would be ignored; create the "
+      "state with tx=weighted_accum.WeightedMultiSteps(opt, k, mode=...)."
     )

@@ -1,14 +1,19 @@
-"""The optax wrapper's state: ``WeightedMultiStepsState``, optax's
-``MultiStepsState`` fields and this library's counters, a pytree that goes
-through ``jax.jit``, donation and Orbax whole."""
+"""The optax wrapper's state ``WeightedMultiStepsState``, and the same state as
+Flax NNX holds it: :func:`view` reads ``nnx.Optimizer(...).opt_state``
+(``nnx.Variable`` leaves) or its ``nnx.State`` as the plain state;
+:func:`rewrap` gives a changed state back in the caller's types."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
+from weighted_accum._src import validation
+from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.loss_scale import DynamicLossScale
 
@@ -18,43 +23,26 @@ class WeightedMultiStepsState(NamedTuple):
   ``optax.MultiStepsState``'s fields, then this library's.
 
   Attributes:
-    mini_step: int32, microbatches accumulated since the window opened (0
-      right after a close; a microbatch skipped by ``should_skip_update_fn``
-      does not count).
-    gradient_step: int32, windows applied to the inner optimizer since
-      ``init`` (the argument of a callable ``every_k_schedule``).
-    inner_opt_state: the wrapped optimizer's state; changes only when a
-      window's gradient is applied.
-    acc_grads: the open window's pending gradient sums, a tree like the
-      params in the accumulator dtype. Unlike ``optax.MultiSteps``' running
-      mean these are weighted SUMS, still multiplied by the loss scale; the
-      window's gradient is ``acc_grads / loss_scale / total_weight``. While
-      ``mini_step`` is 0 (right after a close) they are not read: the next
-      microbatch overwrites them (read the window through :attr:`accum`).
-    skip_state: what ``should_skip_update_fn`` returned last (``()``
-      without one), as in optax.
+    mini_step: int32, microbatches accumulated since the window opened
+      (skipped ones not counted).
+    gradient_step: int32, windows applied since ``init``.
+    inner_opt_state: the wrapped optimizer's state.
+    acc_grads: the open window's weighted gradient SUMS (times the loss
+      scale), in the accumulator dtype; unread while ``mini_step`` is 0
+      (read the window through :attr:`accum`).
+    skip_state: what ``should_skip_update_fn`` returned last (``()``).
     window: the open window's counters, an
-      :class:`~weighted_accum.AccumState` without buffers (``grads`` is
-      ``None``). :attr:`accum` joins it with ``acc_grads``.
-    updated: bool, the last call closed a window and applied the inner
-      update (see :func:`~weighted_accum.has_updated`).
-    nonfinite: bool, the last call closed a window that was discarded: its
-      pending gradients held NaN/Inf (or, with
-      ``skip_nonfinite_updates=True``, its inner updates did), its loss
-      scale was unusable, or its mean does not fit the dtype the inner
-      optimizer gets it in (the grads' and params' wider dtype). Nothing
-      was applied and the next window starts clean.
+      :class:`~weighted_accum.AccumState` with ``grads=None``.
+    updated: bool, the last call applied a window.
+    nonfinite: bool, the last call discarded a window: NaN/Inf sums (or
+      updates, with ``skip_nonfinite_updates``), an unusable loss scale, or
+      a mean that does not fit the inner optimizer's dtype.
     nonfinite_windows: int32, windows discarded so since ``init``.
-    empty_windows: int32, closes of a window with zero total weight since
-      ``init``. Such a window applies nothing and is not lost: its counters
-      carry into the next window.
-    skipped: int32, microbatches skipped by ``should_skip_update_fn`` since
-      ``init``.
+    empty_windows: int32, closes of a zero-weight window (kept open).
+    skipped: int32, microbatches skipped by ``should_skip_update_fn``.
     rejected: int32, microbatches refused under ``jit`` for an invalid
-      weight since ``init`` (never reset by a close; the open window's own
-      count is ``window.rejected``).
-    loss_scaler: the :class:`~weighted_accum.DynamicLossScale` adjusted at
-      each close, or ``None`` for a fixed loss scale.
+      weight since ``init`` (the window's own: ``window.rejected``).
+    loss_scaler: the :class:`~weighted_accum.DynamicLossScale`, or ``None``.
   """
 
   mini_step: jax.Array
@@ -85,3 +73,56 @@ class WeightedMultiStepsState(NamedTuple):
   def inner_state(self) -> Any:
     """Alias of :attr:`inner_opt_state`."""
     return self.inner_opt_state
+
+
+def checked(state: Any, what: str) -> WeightedMultiStepsState:
+  """``state`` if it is the wrapper's state; refused by name (optax's too)."""
+  hint = "Pass wa.WeightedMultiSteps' state (or nnx.Optimizer(...).opt_state)."
+  if isinstance(state, optax.MultiStepsState):
+    hint += " For optax.MultiSteps' use optax.MultiSteps(...).has_updated."
+  return validation.instance(
+    state, WeightedMultiStepsState, what=f"{what}(state)", hint=hint
+  )
+
+
+# Fields a nnx.State drops: it keeps no empty subtree and no None.
+_ABSENT = {"skip_state": (), "loss_scaler": None}
+
+
+def _is_wrapper_mapping(x: Any) -> bool:
+  return isinstance(x, Mapping) and {"acc_grads", "window"} <= set(x.keys())
+
+
+def view(state: Any) -> Any:
+  """``state`` unwrapped; a wrapper state held as an ``nnx.State`` rebuilt."""
+  plain = tree_utils.unwrap_variables(state)
+  if not _is_wrapper_mapping(plain):
+    return plain
+  buffers = jax.tree.leaves(plain["acc_grads"])
+  dtype = buffers[0].dtype if buffers else jnp.float32
+  window = AccumState(grads=None, dtype=dtype, **dict(plain["window"]))
+  fields = {
+    f: plain[f] if f in plain else _ABSENT.get(f)
+    for f in WeightedMultiStepsState._fields
+  }
+  return WeightedMultiStepsState(**{**fields, "window": window})
+
+
+def _children(tree: Any) -> list:
+  """``tree``'s children, one level down (``None`` kept as a child)."""
+  return jax.tree.leaves(tree, is_leaf=lambda x: x is not tree or x is None)
+
+
+def rewrap(like: Any, new: Any) -> Any:
+  """``new`` (shaped like ``view(like)``) in ``like``'s Variables and maps."""
+  if tree_utils.is_variable(like):
+    return like.replace(rewrap(like.get_value(), new))
+  if isinstance(like, Mapping):
+    get = new.__getitem__ if isinstance(new, Mapping) else new.__getattribute__
+    return type(like)({k: rewrap(v, get(k)) for k, v in like.items()})
+  if like is None or jax.tree_util.treedef_is_leaf(jax.tree.structure(like)):
+    return new
+  parts = [rewrap(a, b) for a, b in zip(_children(like), _children(new))]
+  return jax.tree.unflatten(
+    jax.tree.structure(like, is_leaf=lambda x: x is not like), parts
+  )
