@@ -750,3 +750,35 @@ def test_dynamic_loss_scale_built_under_a_transformation(build):
   assert float(wa.window_counters(got)["loss_scale"]) == 2.0**6
   bad = jax.jit(lambda p, s: _scaled_tx(s).init(p))(params, -1.0)
   assert not np.isfinite(float(wa.window_counters(bad)["loss_scale"]))
+
+
+def test_the_wrapper_with_axis_name_counts_issued_as_a_microbatch_window():
+  """The wrapper built with ``axis_name`` holds a microbatch-mode window:
+  its ``issued`` counts each microbatch once per replica, as
+  ``wa.init(..., reduce="microbatch")`` + ``wa.accumulate_sum`` does."""
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  params = {"w": jnp.zeros(3)}
+  tx = wa.WeightedMultiSteps(optax.sgd(1.0), 4, axis_name="data", mode="sum")
+
+  def wrapper(state, g, w):
+    for _ in range(2):
+      state = tx.update({"w": g[0]}, state, params, weight=w[0])[1]
+    return wa.window_counters(state)["issued"]
+
+  def functional(g, w):
+    s = wa.init(params, axis_name="data", reduce="microbatch")
+    for _ in range(2):
+      s = wa.accumulate_sum(s, {"w": g[0]}, w[0])
+    return s.issued
+
+  g, w = jnp.ones((2, 3)), jnp.array([1.0, 3.0])
+  specs = dict(mesh=mesh, out_specs=P())
+  got = jax.jit(
+    jax.shard_map(wrapper, in_specs=(P(), P("data"), P("data")), **specs)
+  )(tx.init(params), g, w)
+  want = jax.jit(
+    jax.shard_map(functional, in_specs=(P("data"), P("data")), **specs)
+  )(g, w)
+  assert int(want) == 4 and int(got) == int(want)

@@ -163,9 +163,10 @@ def _accumulate(cfg: Config, state, grads: Any, weight: Any, params: Any):
     w = validation.Weight(
       jnp.where(skip, 0, w.hi), jnp.where(skip, 0, w.lo), w.ok | skip
     )
-  new = accumulation.add(
-    accum, grads, w, mean=mean, name=name, allow_reduced=reduced
-  )
+  if reduced:  # counted over the replicas, as distributed.accumulate does
+    new = distributed.add_reduced(accum, grads, w, checked=False, name=name)
+  else:
+    new = accumulation.add(accum, grads, w, mean=mean, name=name)
   if skip is not None:
     old = base.of(accum)
     new = new.replace(

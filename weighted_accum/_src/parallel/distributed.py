@@ -29,6 +29,19 @@ from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel.local_grads import AxisName
 
 
+def add_reduced(
+  state: AccumState, contrib: Any, gweight: Any, *, checked: bool, name: str
+) -> AccumState:
+  """Adds a microbatch reduced over the window's axes (its global sum and
+  weight), counted once per replica in ``issued``."""
+  new = accumulation.add(
+    state, contrib, gweight, mean=False, checked=checked, name=name,
+    allow_reduced=True,
+  )  # fmt: skip
+  size = _axes_size(state.placement.axes)
+  return new.replace(issued=new.issued + (size - 1))
+
+
 def _axes_size(axes: tuple[str, ...]) -> int:
   return math.prod(jax.lax.axis_size(a) for a in axes)
 
@@ -89,8 +102,7 @@ def accumulate(
     contrib, gweight = reduce_microbatch(
       state, grads, weight, axes, mean=mean, what=name
     )
-    new = add(state, contrib, gweight, mean=False)  # one per replica:
-    return new.replace(issued=new.issued + (_axes_size(axes) - 1))
+    return add_reduced(state, contrib, gweight, checked=checked, name=name)
   leaves, reduced = _leaves(state, grads, axes, name)
   if not reduced:
     return add(state, grads, weight, mean=mean)
