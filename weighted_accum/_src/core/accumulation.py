@@ -379,7 +379,7 @@ def add(
       f"{state.placement.axes} (wa.init(..., axis_name=...) outside "
       "shard_map). Add to it inside shard_map over those axes (pass it in "
       "with weighted_accum.distributed.window_specs(state)), or with "
-      "f.accumulate of microbatched_value_and_grad(..., data_axes=...) "
+      "f.accumulate of microbatched_value_and_grad(..., axis_name=...) "
       "under jit."
     )
   checked = validation.static_flag(checked, what=f"{name}(checked=...)")

@@ -255,11 +255,3 @@ def tree_mark(tree: Any, mark=nonfinite_mark) -> jax.Array:
   for xs in groups.values():
     marks.extend(_grouped_marks(xs, elementwise))
   return sum(marks[1:], marks[0]) if marks else jnp.zeros((), jnp.float32)
-
-
-def all_finite(tree: Any) -> jax.Array:
-  """True when every value of ``tree`` is finite (one fused read per leaf;
-  see :func:`nonfinite_mark`). Local to this device's values inside
-  ``shard_map``: a global decision reduces the mark instead
-  (``window.global_mark``)."""
-  return ~jnp.isnan(tree_mark(tree))

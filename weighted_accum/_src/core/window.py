@@ -449,7 +449,12 @@ def close(
 
   pred = out.valid if when is None else when & out.valid
   res, zero = lax.cond(pred, valid_branch, invalid_branch, out.grads, operands)
-  return res, zero, new_state, out.replace(grads=None, kind="mean")
+  return (
+    res,
+    zero,
+    new_state,
+    out.replace(grads=None, kind="mean" if mean else "sums"),
+  )
 
 
 def refill(state: AccumState, zero: jax.Array) -> AccumState:
