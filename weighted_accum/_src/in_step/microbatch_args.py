@@ -311,16 +311,12 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
 
 def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
   """``(name, value, how to split it)`` of the arguments passed unchanged."""
-  roled = {*roles.argnums, *roles.batch_argnums, *roles.state_argnums}
-  roled |= set(roles.key_argnums)
+  batch = (*roles.batch_argnums, *roles.batch_argnames)
+  roled = {*roles.argnums, *batch, *roles.state_argnums, *roles.key_argnums}
   out = [(f"argument {n}", a, n) for n, a in enumerate(call.args)]
   out += [(f"keyword argument {k!r}", v, k) for k, v in call.kwargs.items()]
-  batch = (*roles.batch_argnums, *roles.batch_argnames)
-  return [
-    (s, v, f"batch_argnums={(*batch, k)}")
-    for s, v, k in out
-    if k not in roled and k not in roles.batch_argnames
-  ]
+  how = lambda k: f"batch_argnums={(*batch, k)}"
+  return [(s, v, how(k)) for s, v, k in out if k not in roled]
 
 
 # ----------------------------------------------------- one microbatch --
