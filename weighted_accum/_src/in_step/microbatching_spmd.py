@@ -253,9 +253,8 @@ def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
   return tuple(out)
 
 
-def _is_array(x: Any) -> bool:
-  """An array, or a Python float (traced, as ``jax.jit`` takes it)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, float))
+# The leaves traced into the shard_map (a Python float too, as jit takes it).
+_ARRAYS = (jax.Array, np.ndarray, np.generic, float)
 
 
 class _Split(NamedTuple):
@@ -283,7 +282,7 @@ def _split(cfg: Any, call: tuple, pl: _Plan) -> _Split:
   )
   leaves, treedef = jax.tree.flatten(call)
   specs = treedef.flatten_up_to(tree)
-  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+  dynamic = [i for i, x in enumerate(leaves) if isinstance(x, _ARRAYS)]
   return _Split(treedef, leaves, dynamic, [specs[i] for i in dynamic])
 
 
