@@ -168,9 +168,8 @@ def _refuse_complex(what: str, n: int, x: Any) -> None:
     ):
       raise WeightedAccumulationError(
         f"{what}: argument {n} (argnums) leaf {path} is {v.dtype}; complex "
-        "params are not supported. Differentiate its real and imaginary "
-        "parts as two float arrays, or pass it as a non-differentiated "
-        "argument."
+        "params are not supported: differentiate the real and imaginary "
+        "parts as two float arrays, or pass it undifferentiated."
       )
 
 
