@@ -168,9 +168,8 @@ def _refuse_complex(what: str, n: int, x: Any) -> None:
     ):
       raise WeightedAccumulationError(
         f"{what}: argument {n} (argnums) leaf {path} is {v.dtype}; complex "
-        "params are not supported. Differentiate its real and imaginary "
-        "parts as two float arrays, or pass it as a non-differentiated "
-        "argument."
+        "params are not supported: differentiate the real and imaginary "
+        "parts as two float arrays, or pass it undifferentiated."
       )
 
 
@@ -311,16 +310,12 @@ def prepare(what: str, roles: Roles, args: tuple, kwargs: dict) -> Call:
 
 def unchanged(call: Call, roles: Roles) -> list[tuple[str, Any, str]]:
   """``(name, value, how to split it)`` of the arguments passed unchanged."""
-  roled = {*roles.argnums, *roles.batch_argnums, *roles.state_argnums}
-  roled |= set(roles.key_argnums)
+  batch = (*roles.batch_argnums, *roles.batch_argnames)
+  roled = {*roles.argnums, *batch, *roles.state_argnums, *roles.key_argnums}
   out = [(f"argument {n}", a, n) for n, a in enumerate(call.args)]
   out += [(f"keyword argument {k!r}", v, k) for k, v in call.kwargs.items()]
-  batch = (*roles.batch_argnums, *roles.batch_argnames)
-  return [
-    (s, v, f"batch_argnums={(*batch, k)}")
-    for s, v, k in out
-    if k not in roled and k not in roles.batch_argnames
-  ]
+  how = lambda k: f"batch_argnums={(*batch, k)}"
+  return [(s, v, how(k)) for s, v, k in out if k not in roled]
 
 
 # ----------------------------------------------------- one microbatch --
@@ -387,7 +382,8 @@ def refuse_node_state(what: str, roles: Roles, args: tuple, why: str) -> None:
   for n, x in _nodes(roles, args):
     rest = nnx.state(x, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
     if jax.tree.leaves(rest):
-      kinds = ", ".join(sorted({type(v).__name__ for v in _vars(rest)}))
+      vs = jax.tree.leaves(rest, is_leaf=_is_var)
+      kinds = ", ".join(sorted({type(v).__name__ for v in vs if _is_var(v)}))
       raise WeightedAccumulationError(
         f"{what}: argument {n} (argnums) is an NNX object with state "
         f"({kinds}) each replica would update its own way; {why}"
@@ -398,43 +394,32 @@ def _is_var(v: Any) -> bool:
   return isinstance(v, nnx.Variable)
 
 
-def _vars(tree: Any) -> list:
-  return [v for v in jax.tree.leaves(tree, is_leaf=_is_var) if _is_var(v)]
-
-
 def fold_rng_keys(tree: Any, r: Any) -> Any:
   """The NNX RNG keys in ``tree`` folded with ``r`` (a replica's stream)."""
   fold = lambda v: v.replace(jax.random.fold_in(v[...], r))
-  return jax.tree.map(
-    lambda v: fold(v) if isinstance(v, nnx.RngKey) else v, tree, is_leaf=_is_var
-  )
+  f = lambda v: fold(v) if isinstance(v, nnx.RngKey) else v
+  return jax.tree.map(f, tree, is_leaf=_is_var)
 
 
 def vary(tree: Any, axes: tuple[str, ...]) -> Any:
   """``tree`` varying over ``axes``, NNX RNG counts apart (alike everywhere)."""
-  keep = lambda v: isinstance(v, nnx.RngCount)
-  return jax.tree.map(
-    lambda v: v if keep(v) else tree_utils.to_varying(v, axes),
-    tree,
-    is_leaf=_is_var,
-  )
+  to = lambda v: tree_utils.to_varying(v, axes)
+  f = lambda v: v if isinstance(v, nnx.RngCount) else to(v)
+  return jax.tree.map(f, tree, is_leaf=_is_var)
 
 
 def node_states(call: Call, roles: Roles, args: list) -> tuple[Any, ...]:
   """Each differentiated NNX object's non-Param state in ``args``."""
-  return tuple(
-    nnx.state(args[n], nnx.Not(nnx.Param))
-    for n, d in zip(roles.argnums, call.diffs)
-    if d.node is not None
-  )
+  nodes = [n for n, d in zip(roles.argnums, call.diffs) if d.node is not None]
+  return tuple(nnx.state(args[n], nnx.Not(nnx.Param)) for n in nodes)
 
 
 def write_back(call: Call, roles: Roles, threaded: tuple) -> tuple:
   """Writes the NNX objects' final state back (keys as they came)."""
   k = len(roles.state_argnums)
   diffs = [d for d in call.diffs if d.node is not None]
+  key = lambda new, old: old if isinstance(old, nnx.RngKey) else new
   for d, rest in zip(diffs, threaded[k:]):  # the RNG keys as they came
-    key = lambda new, old: old if isinstance(old, nnx.RngKey) else new
     nnx.update(d.node, jax.tree.map(key, rest, d.rest, is_leaf=_is_var))
   return threaded[:k]
 

@@ -171,6 +171,7 @@ class _Plan(NamedTuple):
   is_explicit: bool
   lay: Layout
   inner: Any
+  batch: list  # the batch leaves (margs.Leaf)
 
 
 def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
@@ -208,7 +209,7 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   lay = Layout(axes, n, cfg.dp.fsdp, leaves)
   roles = cfg.roles._replace(num_microbatches=k, microbatch_size=None)
   inner = cfg._replace(spmd=lay, roles=roles)
-  return _Plan(mesh, is_explicit, lay, inner)
+  return _Plan(mesh, is_explicit, lay, inner, batch)
 
 
 def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
@@ -252,9 +253,8 @@ def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
   return tuple(out)
 
 
-def _is_array(x: Any) -> bool:
-  """An array, or a Python float (traced, as ``jax.jit`` takes it)."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic, float))
+# The leaves traced into the shard_map (a Python float too, as jit takes it).
+_ARRAYS = (jax.Array, np.ndarray, np.generic, float)
 
 
 class _Split(NamedTuple):
@@ -266,33 +266,24 @@ class _Split(NamedTuple):
   specs: list
 
 
-def _batch_axis(cfg: Any, path: tuple, x: Any) -> int | None:
-  """The batch axis of the leaf at ``path`` (``None``: not split)."""
-  roles = cfg.roles
-  part = path[0].idx
-  if part not in (0, 1):
-    return None
-  where = path[1].idx if part == 0 else path[1].key
-  if part == 0 and where in roles.batch_argnums:
-    ax = roles.in_axes[roles.batch_argnums.index(where)]
-  elif part == 1 and where in roles.batch_argnames:
-    i = len(roles.batch_argnums) + roles.batch_argnames.index(where)
-    ax = roles.in_axes[i]
-  else:
-    return None
-  return ax + jnp.ndim(x) if ax < 0 else ax
-
-
 def _split(cfg: Any, call: tuple, pl: _Plan) -> _Split:
-  entry = layout_.entry(pl.lay.axes)
-  flat, treedef = jax.tree.flatten_with_path(call)
-  leaves = [x for _, x in flat]
-  dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
-  specs = []
-  for i in dynamic:
-    a = _batch_axis(cfg, *flat[i]) if len(flat[i][0]) > 1 else None
-    specs.append(P() if a is None else P(*([None] * a), entry))
-  return _Split(treedef, leaves, dynamic, specs)
+  """The call's array leaves, the batch leaves split over the data axes."""
+  args, kwargs, *rest = call
+  it, entry = iter(pl.batch), layout_.entry(pl.lay.axes)
+  spec = lambda t, f: jax.tree.map(lambda _: f(), t)
+  split = lambda: P(*[None] * next(it).axis, entry)
+  batch = {n: spec(args[n], split) for n in cfg.roles.batch_argnums}
+  batch |= {k: spec(kwargs[k], split) for k in cfg.roles.batch_argnames}
+  whole = lambda k, t: batch[k] if k in batch else spec(t, P)
+  tree = (
+    tuple(whole(n, a) for n, a in enumerate(args)),
+    {k: whole(k, v) for k, v in kwargs.items()},
+    *(spec(t, P) for t in rest),
+  )
+  leaves, treedef = jax.tree.flatten(call)
+  specs = treedef.flatten_up_to(tree)
+  dynamic = [i for i, x in enumerate(leaves) if isinstance(x, _ARRAYS)]
+  return _Split(treedef, leaves, dynamic, [specs[i] for i in dynamic])
 
 
 def _joined(sp: _Split, values: list) -> Any:
