@@ -33,17 +33,16 @@ LAYERS = {
   "demo": 6,  # python -m weighted_accum, a user of the public API
   "": 6,  # the public namespaces: weighted_accum, .distributed, .checkpoint
 }
-#: Upward imports left (importer's subpackage, imported subpackage): the
-#: core <-> across_steps cycle (core/open_window reads the wrapper's state),
-#: being removed.
-KNOWN_UPWARD = {("core", "across_steps")}
+#: Upward imports left (importer's subpackage, imported subpackage): none.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 #: The longest import chain from a module of _src (the public namespaces
 #: and the demo on top of it not counted), package __init__s counted as
-#: modules (the target: 7; 1.0 had 11). Today's longest runs through the
-#: core -> across_steps import above.
+#: modules (the target: 7; 1.0 had 11). Today's longest (10) starts at the
+#: planned step: planning -> in_step (2) -> parallel (3) -> the validation
+#: package's __init__, scaler, values -> errors.
 DEPTH_CEILING = 10
 #: Library lines outside _src/planning/ (the target: 8,000).
-LINE_CEILING = 10_244
+LINE_CEILING = 8_922
 #: Private functions with more than 6 keyword-only/defaulted parameters.
 KNOWN_FLAG_HEAVY: set[str] = set()
 #: Broad excepts that do not re-raise (module:function).
