@@ -148,6 +148,7 @@ nitpicky = True
 # named tuple read as data); it is not a public name of its own.
 nitpick_ignore = [
   ("py:class", "Placement"),
+  ("py:class", "weighted_accum._src.planning.packing.Packed"),
   ("py:class", "weighted_accum._src.core.base.Placement"),
 ]
 

@@ -229,6 +229,7 @@ NOT_ENTRY_POINTS = {
   "WeightedAccumulationError",
   "checkpoint",
   "distributed",
+  "planning",  # its own conformance tests: tests/planning
   "abstract_state",
   "has_updated",
   "window_counters",

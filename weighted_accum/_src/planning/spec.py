@@ -105,7 +105,7 @@ class PlanSpec:
 
   @functools.cached_property
   def capacities(self) -> tuple[int, ...]:
-    """Microbatch slots per shape and replica: enough for any plan."""
+    """The microbatch slots per shape and replica (enough for any plan)."""
     return tuple(-(-self.batch_rows // r) for r, _ in self.shapes)
 
   def shape_cost(self, rows: int, length: int) -> float:
