@@ -46,7 +46,6 @@ def scaler_scale(x: Any, *, what: str, min_scale: float) -> jax.Array:
     traced_scalar(x, what, SCALE_NOUN)
     return x.astype(jnp.float32)
   rule = f"a loss scale >= min_scale={min_scale!r}, e.g. 2.0**16"
-  # A number as every loss scale reads one (a bool is 0 or 1).
   v = float(host_number(x, what=what, noun=SCALE_NOUN))
   v32 = float32_option(v, what=what, rule=rule)
   if v32 < min_scale:
