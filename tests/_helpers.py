@@ -79,3 +79,21 @@ def row_splits(draw, n: int, max_cuts: int):
     )
   )
   return list(itertools.pairwise(bounds)), kinds
+
+
+class Compiles:
+  """Counts XLA backend compilations (jax.monitoring's compile event)."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __enter__(self):
+    self.n = 0
+    jax.monitoring.register_event_duration_secs_listener(self._heard)
+    return self
+
+  def _heard(self, event, duration, **_):
+    del duration
+    self.n += event == self.EVENT
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._heard)

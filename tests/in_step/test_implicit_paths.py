@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
+from _helpers import Compiles
 import weighted_accum as wa
 
 N, D, ROWS, K = 8, 3, 32, 2
@@ -120,24 +121,6 @@ def test_an_eager_call_sees_what_loss_fn_closes_over_now(style, kind):
     np.testing.assert_allclose(call(w, b), _ref(w, b, c), rtol=1e-5, atol=1e-6)
 
 
-class _Compiles:
-  """Counts XLA backend compilations (jax.monitoring's compile event)."""
-
-  EVENT = "/jax/core/compile/backend_compile_duration"
-
-  def __enter__(self):
-    self.n = 0
-    jax.monitoring.register_event_duration_secs_listener(self._heard)
-    return self
-
-  def _heard(self, event, duration, **_):
-    del duration
-    self.n += event == self.EVENT
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._heard)
-
-
 def test_a_python_float_keyword_is_traced_not_compiled_per_value():
   """Eagerly with axis_name, a new value of a Python float keyword compiles
   nothing and is used."""
@@ -148,7 +131,7 @@ def test_a_python_float_keyword_is_traced_not_compiled_per_value():
   wp, bp = _put(AUTO, w, P()), _put(AUTO, b, P("data"))
   jax.block_until_ready(f(wp, bp, c=1.0))
   for c in (0.5, 3.0):
-    with _Compiles() as n:
+    with Compiles() as n:
       got = jax.block_until_ready(f(wp, bp, c=c)[1].grads)
     assert n.n == 0
     np.testing.assert_allclose(got, _ref(w, b, c), rtol=1e-5)

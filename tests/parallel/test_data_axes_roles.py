@@ -24,6 +24,7 @@ import numpy as np
 import optax
 import pytest
 
+from _helpers import Compiles
 from benchmarks import hlo
 import weighted_accum as wa
 from weighted_accum import distributed as dist
@@ -372,24 +373,6 @@ def test_peek_mean_reads_a_stacked_window_whole_and_per_block():
   np.testing.assert_allclose(read(state), ref, rtol=1e-5)
 
 
-class _Compiles:
-  """Counts XLA backend compilations (jax.monitoring's compile event)."""
-
-  EVENT = "/jax/core/compile/backend_compile_duration"
-
-  def __enter__(self):
-    self.n = 0
-    jax.monitoring.register_event_duration_secs_listener(self._heard)
-    return self
-
-  def _heard(self, event, duration, **_):
-    del duration
-    self.n += event == self.EVENT
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_duration_listener(self._heard)
-
-
 @pytest.mark.parametrize("name", ["auto", "explicit"])
 def test_a_second_eager_call_compiles_nothing(name):
   """An eager call runs one compiled program kept by the function (an eager
@@ -419,12 +402,12 @@ def test_a_second_eager_call_compiles_nothing(name):
     p = mesh.put(jnp.asarray(w), P())
     f(p, batch(x, y, m))
     x2 = x[::-1].copy()
-    with _Compiles() as c:
+    with Compiles() as c:
       _, out = f(p, batch(x2, y, m))
       jax.block_until_ready(out)
     assert c.n == 0
     np.testing.assert_allclose(out.grads, _ref_grad(w, x2, y, m), rtol=1e-5)
-    with _Compiles() as c:
+    with Compiles() as c:
       jax.block_until_ready(f(p, batch(x[:, :16], y[:16], m[:16])))
     assert c.n > 0
     # f.accumulate into a stacked window, eagerly: once the window is as
@@ -432,7 +415,7 @@ def test_a_second_eager_call_compiles_nothing(name):
     state = wa.init(p, axis_name="data")
     for rows in (x, x2):
       _, state = f.accumulate(state, p, batch(rows, y, m))
-    with _Compiles() as c:
+    with Compiles() as c:
       _, state = f.accumulate(state, p, batch(x, y, m))
       jax.block_until_ready(state)
     assert c.n == 0
