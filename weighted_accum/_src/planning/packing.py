@@ -11,6 +11,7 @@ import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.planning import planner
+from weighted_accum._src.planning import spec as spec_
 from weighted_accum._src.planning.planner import LENGTH
 from weighted_accum._src.planning.planner import POS
 from weighted_accum._src.planning.planner import REPLICA
@@ -163,5 +164,6 @@ def plan_batch(
     >>> packed.shapes[0][0]["tokens"][:2].tolist()  # rows 1 and 2, padded
     [[8, 9, 10, 0], [16, 17, 0, 0]]
   """
+  seed = spec_.seed(seed, f"plan_batch(seed={seed!r})")
   lengths = _lengths(spec, lengths)
   return pack(spec, batch, lengths, planner.plan(spec, lengths, seed))
