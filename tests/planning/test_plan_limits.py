@@ -52,8 +52,11 @@ def _rows(spec, lengths):
 
 @given(_limits())
 @example(  # Karmarkar-Karp alone: one replica holds all 15 short rows
-  (planning.PlanSpec(buckets=(2, 16), budget=16, batch_rows=8, replicas=2),
-   [16] + [1] * 15, 0)  # fmt: skip
+  (
+    planning.PlanSpec(buckets=(2, 16), budget=16, batch_rows=8, replicas=2),
+    [16] + [1] * 15,
+    0,
+  )  # fmt: skip
 )
 def test_batch_rows_is_a_rule_on_the_row_count(case):
   spec, lengths, seed = case

@@ -8,10 +8,9 @@ and never run silently)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from test_planned_conformance import _batch
 from test_planned_conformance import _loss_fn

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.planning import spec as spec_
 from weighted_accum._src.planning.packing import Packed
 from weighted_accum._src.planning.packing import plan_batch
-from weighted_accum._src.planning import spec as spec_
 from weighted_accum._src.planning.spec import PlanSpec
 
 

@@ -127,7 +127,9 @@ def _rebalance(spec: PlanSpec, counts: list[list[int]]) -> list[list[int]]:
   loads = [load(c) for c in counts]
   nb, room = len(spec.buckets), lambda r: spec.batch_rows - sum(counts[r])
   while room(h := min(range(len(counts)), key=room)) < 0:
-    o = min((r for r in range(len(counts)) if room(r) > 0), key=loads.__getitem__)
+    o = min(
+      (r for r in range(len(counts)) if room(r) > 0), key=loads.__getitem__
+    )
     b = next(b for b in range(nb) if counts[h][b])
     counts[h][b], counts[o][b] = counts[h][b] - 1, counts[o][b] + 1
     loads[h], loads[o] = load(counts[h]), load(counts[o])

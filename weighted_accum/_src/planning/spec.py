@@ -32,8 +32,7 @@ def seed(value, what: str) -> int:
     value = None
   if value is None or value < 0:
     raise WeightedAccumulationError(
-      f"{what}: the seed breaks ties between rows of equal length: an "
-      "int >= 0."
+      f"{what}: the seed breaks ties between rows of equal length: an int >= 0."
     )
   return int(value)
 

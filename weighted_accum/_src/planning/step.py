@@ -264,9 +264,11 @@ def planned_value_and_grad(
     loss_scale: the window's loss scale (``f``'s ``loss_scale=`` overrides).
     axis_name: the data axes of ``spec.replicas`` replicas: ``f`` called
       inside ``jax.shard_map`` over them takes the whole packed batch split
-      by replica, or under plain ``jit`` with ``jax.set_mesh`` runs its own
-      ``shard_map``; the window is reduced once. The params are replicated:
-      for FSDP layouts (``DataParallel``), use the in-step function.
+      by replica, or under plain ``jit`` with ``jax.set_mesh`` (an Auto or
+      Explicit mesh) runs its own ``shard_map`` on the packed batch as
+      ``plan_batch`` returns it; the window is reduced once. The params are
+      replicated: for FSDP layouts (``DataParallel``), use the in-step
+      function.
 
   Returns:
     ``f(*args, loss_scale=None)`` returning ``(loss, out)`` as the in-step
@@ -275,8 +277,10 @@ def planned_value_and_grad(
     ``((loss_sum, weight), state)`` (nested as the in-step ``accumulate``).
 
   Raises:
-    WeightedAccumulationError: a batch not packed for ``spec``, or what the
-      in-step function refuses.
+    WeightedAccumulationError: a batch not packed for ``spec``, data axes
+      of another size than ``spec.replicas``, a packed batch not split by
+      replica, a keyword it does not take, or what the in-step function
+      refuses.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np
