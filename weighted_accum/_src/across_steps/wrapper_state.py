@@ -27,14 +27,11 @@ class WeightedMultiStepsState(NamedTuple):
       (skipped ones not counted).
     gradient_step: int32, windows applied since ``init``.
     inner_opt_state: the wrapped optimizer's state.
-    acc_grads: the buffers, in the accumulator dtype. Mid-window: the open
-      window's weighted gradient SUMS (times the loss scale). Not zeroed
-      at a close (``mini_step`` 0; unread until the next microbatch
-      overwrites them): after an applied window, the inner optimizer's
-      updates (``-mean`` for ``optax.sgd(1.0)``) when they have the
-      buffers' structure, shapes and no wider dtype, else the window's
-      sums; after a discarded window, its sums. Read the open window
-      through :attr:`accum`.
+    acc_grads: in the accumulator dtype, the open window's weighted gradient
+      SUMS (times the loss scale). Not zeroed at a close: while ``mini_step``
+      is 0 it holds the inner updates (``-mean`` for ``sgd(1)``) when they
+      fit its structure, shapes and dtype, else the closed window's sums;
+      read the open window through :attr:`accum`.
     skip_state: what ``should_skip_update_fn`` returned last (``()``).
     window: the open window's counters, an
       :class:`~weighted_accum.AccumState` with ``grads=None``.
