@@ -29,9 +29,9 @@ class WeightedMultiStepsState(NamedTuple):
     inner_opt_state: the wrapped optimizer's state.
     acc_grads: in the accumulator dtype, the open window's weighted gradient
       SUMS (times the loss scale). Not zeroed at a close: while ``mini_step``
-      is 0 it holds the inner updates (``-mean`` for ``sgd(1)``) when they
-      fit its structure, shapes and dtype, else the closed window's sums;
-      read the open window through :attr:`accum`.
+      is 0 it holds an applied window's updates (``-mean`` for ``sgd(1)``)
+      if they fit its structure, shapes and dtype, else the closed window's
+      sums; read the open window through :attr:`accum`.
     skip_state: what ``should_skip_update_fn`` returned last (``()``).
     window: the open window's counters, an
       :class:`~weighted_accum.AccumState` with ``grads=None``.
