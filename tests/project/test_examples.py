@@ -21,7 +21,12 @@ def _run(script: str, timeout: int = 600) -> subprocess.CompletedProcess:
     text=True,
     timeout=timeout,
     check=False,
-    env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+    env={
+      **os.environ,
+      "PYTHONPATH": str(ROOT),  # this checkout's package
+      "JAX_PLATFORMS": "cpu",
+      "XLA_FLAGS": "",
+    },
   )
 
 
