@@ -18,7 +18,7 @@ from weighted_accum import planning
 
 
 def test_an_identical_repeat_call_compiles_one_program_at_most():
-  spec = planning.PlanSpec(buckets=(4, 8), budget=8, batch_rows=4, replicas=2)
+  spec = planning.PlanSpec(buckets=(8,), budget=8, batch_rows=4, replicas=2)
   lengths = [8, 3, 2, 1, 5, 7, 4, 6]
   batch = _batch(lengths, 5)
   packed = planning.plan_batch(spec, batch, lengths, seed=1)
