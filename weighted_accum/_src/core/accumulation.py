@@ -1,10 +1,10 @@
 """Opening and filling a global window: ``init``, ``from_buffers``, the one
 accumulate path ``add`` and ``set_loss_scale``.
 
-Each validates its inputs (``validation``; structure cached per signature
-when eager, ``eager_cache``), then runs a jitted kernel that inlines into the
-caller's ``jit`` and updates donated buffers in place (``docs/design.md``,
-"Performance rules"). Windows are closed in :mod:`weighted_accum._src.core.window`.
+Each validates its inputs (``validation``; on every call, eager ones too),
+then runs a jitted kernel that inlines into the caller's ``jit`` and
+updates donated buffers in place (``docs/design.md``, "Performance rules").
+Windows are closed in :mod:`weighted_accum._src.core.window`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import numpy as np
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import base
-from weighted_accum._src.core import eager_cache
 from weighted_accum._src.core import numerics
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
@@ -257,34 +256,6 @@ def check_room(state: AccumState, w: validation.Weight, name: str) -> None:
     )
 
 
-def _structure(
-  state: AccumState, grads: Any, name: str
-) -> tuple[list[Any], bool, Any]:
-  """The grads' leaves, whether all sit on their buffers, and their signature."""
-  grads_sig, leaves = eager_cache.signature(grads)
-  placed = eager_cache.last_output(name, state, grads_sig)
-  if placed is not None:  # the state this entry point returned last
-    return leaves, placed, grads_sig
-  bufs_sig, _ = eager_cache.signature(state.grads)
-  key = None
-  if grads_sig is not None and bufs_sig is not None:
-    key = (name, grads_sig, bufs_sig)
-    placed = eager_cache.lookup(key)
-    if placed is not None:
-      return leaves, placed, grads_sig
-  leaves = check_structure(state, grads, name)
-  placed = all(
-    not (isinstance(g, jax.Array) and isinstance(b, jax.Array))
-    or tree_utils.is_traced(g)
-    or tree_utils.is_traced(b)
-    or g.sharding.is_equivalent_to(b.sharding, b.ndim)
-    for g, b in zip(leaves, jax.tree.leaves(state.grads))
-  )
-  if key is not None:
-    eager_cache.remember(key, placed)
-  return leaves, placed, grads_sig
-
-
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
   """Eagerly, grads moved onto their buffers' shardings."""
   out = []
@@ -383,7 +354,7 @@ def add(
       "under jit."
     )
   checked = validation.static_flag(checked, what=f"{name}(checked=...)")
-  leaves, placed, grads_sig = _structure(state, grads, name)
+  leaves = check_structure(state, grads, name)
   w = convert_weight(state, weight, name)
   check_room(state, w, name)
   if not allow_reduced and tree_utils.is_traced(w.hi):
@@ -402,11 +373,7 @@ def add(
       "counts it).",
       w=jnp.asarray(weight).astype(jnp.float32),
     )
-  if not placed:
-    leaves = _on_buffer_shardings(state, leaves)
-  new = _kernel(state, leaves, w, mean=mean)
-  eager_cache.remember_output(name, new, grads_sig, placed)
-  return new
+  return _kernel(state, _on_buffer_shardings(state, leaves), w, mean=mean)
 
 
 # --------------------------------------------------------- set_loss_scale --

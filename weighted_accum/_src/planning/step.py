@@ -192,12 +192,15 @@ def _sharded(planned: _Planned, fn: Callable, args: tuple, specs_out) -> Any:
     args[planned.pos] = jax.tree.map(
       lambda x: jax.reshard(x, data), args[planned.pos]
     )
-  return jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=tuple(specs),
-    out_specs=specs_out,
-    axis_names=frozenset(planned.axes),
+  # jit: eagerly this call's program compiled whole, not op by op.
+  return jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=tuple(specs),
+      out_specs=specs_out,
+      axis_names=frozenset(planned.axes),
+    )
   )(*args)
 
 
