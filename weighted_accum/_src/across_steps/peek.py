@@ -109,7 +109,7 @@ def discard(
     next_loss_scale, what=what, dtype=st.loss_scale.dtype
   )
   if not base.plain(st):  # the placement checked against this context
-    base.PLACED["check"](st, "discard")
+    st = placed.where(st, "discard")[1]
   finishing.shared_over_window(st, ls, what)
   new = _discard_kernel(st, ls)
   if isinstance(wrapper, WeightedMultiStepsState):

@@ -115,7 +115,7 @@ def abstract_state(
 
   return shapes.replace(
     grads=jax.tree.map(stacked, shapes.grads, params),
-    placement=base.Placement(base.STACKED, axes),
+    placement=replicas.placement_on(mesh, axes),
     **{name: counter(name) for name in base.NAMES},
   )
 

@@ -8,10 +8,14 @@ holds a block ``[1, ...]`` (:func:`unstack`, :func:`stack`); under plain
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
+from jax._src import mesh as _jax_mesh  # set_mesh's mesh under jit
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -57,14 +61,7 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
 
 def check_block(state: AccumState, n: int, what: str) -> None:
   """Refuses a stacked window not laid over its axes or not ``n`` long."""
-  axes, s = state.placement.axes, getattr(state.weight_hi, "sharding", None)
-  if not tree_utils.is_traced(state.weight_hi) and not (
-    isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
-  ):
-    raise WeightedAccumulationError(
-      f"{what}(state): this stacked window is not laid over a mesh with its "
-      f"axes {axes}; pass it with window_specs' specs."
-    )
+  axes = state.placement.axes
   for path, x in [("weight_hi", state.weight_hi)] + tree_utils.flat(
     state.grads
   ):
@@ -80,7 +77,7 @@ def unstack(block: AccumState, axes: Axes, what: str | None) -> AccumState:
   if what is not None:
     check_block(block, 1, what)
   return block.replace(
-    placement=base.Placement(base.REPLICA, axes, "window"),
+    placement=block.placement._replace(kind=base.REPLICA, axes=axes),
     **{k: jax.tree.map(lambda x: x[0], getattr(block, k)) for k in PER_REPLICA},
   )
 
@@ -89,7 +86,7 @@ def stack(state: AccumState, axes: Axes) -> AccumState:
   """The block ``[1, ...]`` of a per-replica window (inverse of unstack)."""
   one = lambda x: tree_utils.to_varying(x, axes)[None]
   return state.replace(
-    placement=base.Placement(base.STACKED, axes),
+    placement=state.placement._replace(kind=base.STACKED, axes=axes),
     **{k: jax.tree.map(one, getattr(state, k)) for k in PER_REPLICA},
   )
 
@@ -124,12 +121,8 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   """The stacked window of the fresh window ``state`` of ``params``."""
   mesh = _params_mesh(params, axes, what)
   is_explicit = layout_.explicit(mesh, axes, what=what)
-  concrete = isinstance(mesh, jax.sharding.Mesh)
-  if not (
-    concrete
-    or is_explicit
-    or set(axes) <= set(jax.sharding.get_abstract_mesh().axis_names)
-  ):
+  placement = placement_on(mesh, axes)
+  if not (placement.devices or is_explicit):
     raise WeightedAccumulationError(
       f"{what}(axis_name={axes!r}): under jax.jit on Auto data axes the "
       "params carry no devices: call it under jax.set_mesh(mesh) or outside jit."
@@ -139,18 +132,117 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   def zeros(x):
     spec = stacked_spec(x, axes, is_explicit)
     shape, dtype = (n,) + tuple(np.shape(x)), jnp.result_type(x)
-    if concrete and not tree_utils.is_traced(x):
+    if not tree_utils.is_traced(x) and isinstance(mesh, Mesh):
       return jnp.zeros(shape, dtype, device=NamedSharding(mesh, spec))
-    if is_explicit:
-      return jnp.zeros(shape, dtype, out_sharding=spec)
+    if is_explicit:  # built from x: under jit the devices are x's
+      z = jnp.broadcast_to(tree_utils.zeros_like(x, dtype), shape)
+      return jax.sharding.reshard(z, NamedSharding(mesh, spec))
     z = jnp.zeros(shape, dtype)
     return jax.lax.with_sharding_constraint(z, NamedSharding(mesh, spec))
 
   return state.replace(
     grads=jax.tree.map(zeros, state.grads),
-    placement=base.Placement(base.STACKED, axes),
+    placement=placement,
     **{k: zeros(getattr(state, k)) for k in COUNTS},
   )
+
+
+# ------------------------------------------------- where the window lives --
+
+
+def context_mesh() -> Mesh | None:
+  """``jax.set_mesh``'s mesh, also under ``jax.jit`` (whose key holds it)."""
+  mesh = _jax_mesh.get_concrete_mesh()  # jax.sharding.get_mesh outside jit
+  return None if mesh is None or mesh.empty else mesh
+
+
+def _shape(mesh: Any) -> tuple[tuple[str, int, str], ...]:
+  if mesh is None:
+    return ()
+  types = [t.name for t in mesh.axis_types]
+  return tuple(zip(mesh.axis_names, map(int, mesh.axis_sizes), types))
+
+
+def _ids(mesh: Any) -> tuple[int, ...]:
+  if not isinstance(mesh, Mesh):
+    return ()
+  return tuple(int(d.id) for d in mesh.devices.flat)
+
+
+def count(pl: base.Placement) -> int:
+  """The number of replicas of a stacked window."""
+  return math.prod(size for name, size, _ in pl.mesh if name in pl.axes)
+
+
+def caller_mesh(tree: Any) -> Mesh | None:
+  """The mesh of ``tree``'s first leaf laid on one, else set_mesh's."""
+  for x in jax.tree.leaves(tree):
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding) and not tree_utils.is_traced(x):
+      return s.mesh
+  return context_mesh()
+
+
+def placement_on(mesh: Any, axes: Axes) -> base.Placement:
+  """A stacked window's placement on ``mesh`` (set_mesh's if abstract)."""
+  ctx = context_mesh()
+  if not isinstance(mesh, Mesh) and ctx is not None:
+    mesh = ctx if _shape(ctx) == _shape(mesh) else mesh
+  return base.Placement(base.STACKED, axes, "window", _shape(mesh), _ids(mesh))
+
+
+def _show(shape: tuple, ids: tuple) -> str:
+  axes = ", ".join(f"{n!r}: {size} {t}" for n, size, t in shape)
+  return f"mesh {{{axes}}} on devices {list(ids) or '(unknown)'}"
+
+
+def _mesh(shape: tuple, ids: tuple[int, ...]) -> Mesh:
+  """The concrete mesh of a placement's shape on devices ``ids``."""
+  by_id = {d.id: d for d in jax.devices()}
+  names, sizes, types = zip(*shape)
+  devices = np.array([by_id[i] for i in ids], dtype=object).reshape(sizes)
+  kinds = tuple(getattr(AxisType, t) for t in types)
+  return Mesh(devices, names, axis_types=kinds)
+
+
+def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
+  """``state`` on the caller's mesh (``caller``, else set_mesh's, else the
+  one it was made on): checked against it, moved there when concrete (the
+  same rows in the same order: the same result), else refused by name."""
+  pl, x = state.placement, state.weight_hi
+  ctx = caller if caller is not None else context_mesh()
+  traced = tree_utils.is_traced(x)
+  s = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
+  at = s.mesh if isinstance(s, NamedSharding) else None
+  ids = _ids(ctx) or pl.devices
+  if axes is not None and axes != pl.axes:
+    raise _refused(pl, what, f"called over the axes {axes}")
+  if ctx is not None and _shape(ctx) != pl.mesh:
+    raise _refused(pl, what, f"called on {_show(_shape(ctx), _ids(ctx))}")
+  if at is None or _shape(at) != pl.mesh:
+    on = _ids(at) or sorted(d.id for d in x.devices())
+    raise _refused(pl, what, f"its arrays on {_show(_shape(at), on)}")
+  if traced and pl.devices and _ids(ctx) not in ((), pl.devices):
+    where = _show(_shape(ctx), _ids(ctx))
+    raise _refused(pl, what, f"called under jax.jit on {where}")
+  if traced or not ids or _ids(at) == ids:
+    return state
+  to = _mesh(pl.mesh, ids)  # concrete elsewhere: moved, rows in order
+  moved = jax.tree.map(lambda a: jax.device_put(a, _on(to, a)), state)
+  return moved.replace(placement=pl._replace(devices=ids))
+
+
+def _refused(pl: base.Placement, what: str, here: str) -> Exception:
+  return WeightedAccumulationError(
+    f"{what}(state): the window is stacked over {pl.axes} on "
+    f"{_show(pl.mesh, pl.devices)}, {here}: call it under its mesh, or "
+    "jax.device_put it onto this one first (outside jax.jit)."
+  )
+
+
+def _on(mesh: Mesh, a: Any) -> NamedSharding:
+  s = getattr(a, "sharding", None)
+  return NamedSharding(mesh, s.spec if isinstance(s, NamedSharding) else P())
 
 
 # ------------------------------------------------------ under plain jit --

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from weighted_accum._src import validation
-from weighted_accum._src.core import functional
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window as close
 from weighted_accum._src.errors import WeightedAccumulationError
@@ -20,6 +19,7 @@ from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad,
 )
+from weighted_accum._src.parallel import functional
 from weighted_accum._src.parallel.spmd_layout import DataParallel
 from weighted_accum._src.planning.packing import Packed
 from weighted_accum._src.planning.spec import PlanSpec
