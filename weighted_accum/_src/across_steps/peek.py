@@ -123,4 +123,6 @@ def discard(
       window=new.replace(grads=None),
       mini_step=jnp.zeros_like(wrapper.mini_step),
     )
+  if isinstance(state, AccumState):  # its placement may have moved
+    return new
   return wrapper_state.rewrap(state, new)
