@@ -353,9 +353,7 @@ def test_a_stacked_window_moved_or_remeshed_is_named_or_exact():
     wa.peek_mean,
     lambda s: wa.apply_window(tx, s, one, tx.init(one)),
   ):
-    with pytest.raises(
-      Error, match=r"its arrays on mesh \{\} on devices \[0\]"
-    ):
+    with pytest.raises(Error, match=r"its arrays on devices \[0\]"):
       close(moved)
   flipped = jax.sharding.Mesh(np.array(jax.devices()[:R][::-1]), ("data",))
   again = jax.device_put(

@@ -79,17 +79,15 @@ class Placement(NamedTuple):
     reduce: for a per-replica window, ``"window"`` (local sums, one
       reduction at the close) or ``"microbatch"`` (every accumulate
       all-reduces; the window holds global sums).
-    mesh: a stacked window's mesh, each axis as ``(name, size, type)``
-      (``"Auto"`` or ``"Explicit"``); empty for the other kinds.
-    devices: the ids of that mesh's devices in mesh order; empty where
-      they were not known (made under ``jax.jit`` without ``jax.set_mesh``).
+    mesh: a stacked window's ``jax.sharding.Mesh`` (its devices in mesh
+      order, axis names, sizes and types), or its ``AbstractMesh`` where
+      made under ``jax.jit`` without ``jax.set_mesh``; ``None`` otherwise.
   """
 
   kind: str = GLOBAL
   axes: tuple[str, ...] = ()
   reduce: str = "window"
-  mesh: tuple[tuple[str, int, str], ...] = ()
-  devices: tuple[int, ...] = ()
+  mesh: Any = None
 
   @property
   def per_replica(self) -> bool:

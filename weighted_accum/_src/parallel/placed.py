@@ -75,7 +75,7 @@ def where(
       "(window_specs) or by microbatched_value_and_grad(..., axis_name=...).",
     )
   state = replicas.home(state, caller, what)
-  replicas.check_block(state, replicas.count(pl), what)
+  replicas.check_block(state, layout_.size(pl.mesh, pl.axes), what)
   return STACKED, state
 
 

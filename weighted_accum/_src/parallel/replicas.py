@@ -8,13 +8,11 @@ holds a block ``[1, ...]`` (:func:`unstack`, :func:`stack`); under plain
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 from jax._src import mesh as _jax_mesh  # set_mesh's mesh under jit
 import jax.numpy as jnp
-from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -122,7 +120,7 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   mesh = _params_mesh(params, axes, what)
   is_explicit = layout_.explicit(mesh, axes, what=what)
   placement = placement_on(mesh, axes)
-  if not (placement.devices or is_explicit):
+  if not (isinstance(placement.mesh, Mesh) or is_explicit):
     raise WeightedAccumulationError(
       f"{what}(axis_name={axes!r}): under jax.jit on Auto data axes the "
       "params carry no devices: call it under jax.set_mesh(mesh) or outside jit."
@@ -156,24 +154,6 @@ def context_mesh() -> Mesh | None:
   return None if mesh is None or mesh.empty else mesh
 
 
-def _shape(mesh: Any) -> tuple[tuple[str, int, str], ...]:
-  if mesh is None:
-    return ()
-  types = [t.name for t in mesh.axis_types]
-  return tuple(zip(mesh.axis_names, map(int, mesh.axis_sizes), types))
-
-
-def _ids(mesh: Any) -> tuple[int, ...]:
-  if not isinstance(mesh, Mesh):
-    return ()
-  return tuple(int(d.id) for d in mesh.devices.flat)
-
-
-def count(pl: base.Placement) -> int:
-  """The number of replicas of a stacked window."""
-  return math.prod(size for name, size, _ in pl.mesh if name in pl.axes)
-
-
 def caller_mesh(tree: Any) -> Mesh | None:
   """The mesh of ``tree``'s first leaf laid on one, else set_mesh's."""
   for x in jax.tree.leaves(tree):
@@ -186,23 +166,16 @@ def caller_mesh(tree: Any) -> Mesh | None:
 def placement_on(mesh: Any, axes: Axes) -> base.Placement:
   """A stacked window's placement on ``mesh`` (set_mesh's if abstract)."""
   ctx = context_mesh()
-  if not isinstance(mesh, Mesh) and ctx is not None:
-    mesh = ctx if _shape(ctx) == _shape(mesh) else mesh
-  return base.Placement(base.STACKED, axes, "window", _shape(mesh), _ids(mesh))
+  if ctx is not None and ctx.abstract_mesh == mesh:
+    mesh = ctx
+  return base.Placement(base.STACKED, axes, "window", mesh)
 
 
-def _show(shape: tuple, ids: tuple) -> str:
-  axes = ", ".join(f"{n!r}: {size} {t}" for n, size, t in shape)
-  return f"mesh {{{axes}}} on devices {list(ids) or '(unknown)'}"
-
-
-def _mesh(shape: tuple, ids: tuple[int, ...]) -> Mesh:
-  """The concrete mesh of a placement's shape on devices ``ids``."""
-  by_id = {d.id: d for d in jax.devices()}
-  names, sizes, types = zip(*shape)
-  devices = np.array([by_id[i] for i in ids], dtype=object).reshape(sizes)
-  kinds = tuple(getattr(AxisType, t) for t in types)
-  return Mesh(devices, names, axis_types=kinds)
+def _show(mesh: Any) -> str:
+  sizes = zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+  axes = ", ".join(f"{n!r}: {size} {t.name}" for n, size, t in sizes)
+  ids = mesh.device_ids.flat if isinstance(mesh, Mesh) else ["unknown"]
+  return f"mesh {{{axes}}} on devices {[int(i) for i in ids]}"
 
 
 def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
@@ -211,38 +184,40 @@ def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
   same rows in the same order: the same result), else refused by name."""
   pl, x = state.placement, state.weight_hi
   ctx = caller if caller is not None else context_mesh()
-  traced = tree_utils.is_traced(x)
+  traced, shape = tree_utils.is_traced(x), _abstract(pl.mesh)
   s = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
   at = s.mesh if isinstance(s, NamedSharding) else None
-  ids = _ids(ctx) or pl.devices
   if axes is not None and axes != pl.axes:
     raise _refused(pl, what, f"called over the axes {axes}")
-  if ctx is not None and _shape(ctx) != pl.mesh:
-    raise _refused(pl, what, f"called on {_show(_shape(ctx), _ids(ctx))}")
-  if at is None or _shape(at) != pl.mesh:
-    on = _ids(at) or sorted(d.id for d in x.devices())
-    raise _refused(pl, what, f"its arrays on {_show(_shape(at), on)}")
-  if traced and pl.devices and _ids(ctx) not in ((), pl.devices):
-    where = _show(_shape(ctx), _ids(ctx))
-    raise _refused(pl, what, f"called under jax.jit on {where}")
-  if traced or not ids or _ids(at) == ids:
+  if ctx is not None and _abstract(ctx) != shape:
+    raise _refused(pl, what, f"called on {_show(ctx)}")
+  if at is None or _abstract(at) != shape:
+    on = _show(at) if at else f"devices {sorted(d.id for d in x.devices())}"
+    raise _refused(pl, what, f"its arrays on {on}")
+  to = ctx if isinstance(ctx, Mesh) else pl.mesh
+  if traced and isinstance(pl.mesh, Mesh) and to != pl.mesh:
+    raise _refused(pl, what, f"called under jax.jit on {_show(to)}")
+  if traced or at == to or not isinstance(to, Mesh):
     return state
-  to = _mesh(pl.mesh, ids)  # concrete elsewhere: moved, rows in order
-  moved = jax.tree.map(lambda a: jax.device_put(a, _on(to, a)), state)
-  return moved.replace(placement=pl._replace(devices=ids))
+  put = lambda a: jax.device_put(a, NamedSharding(to, _spec(a)))
+  return jax.tree.map(put, state).replace(placement=pl._replace(mesh=to))
+
+
+def _abstract(mesh: Any) -> Any:
+  return getattr(mesh, "abstract_mesh", mesh)
+
+
+def _spec(a: Any) -> P:
+  s = getattr(a, "sharding", None)
+  return s.spec if isinstance(s, NamedSharding) else P()
 
 
 def _refused(pl: base.Placement, what: str, here: str) -> Exception:
   return WeightedAccumulationError(
     f"{what}(state): the window is stacked over {pl.axes} on "
-    f"{_show(pl.mesh, pl.devices)}, {here}: call it under its mesh, or "
+    f"{_show(pl.mesh)}, {here}: call it under its mesh, or "
     "jax.device_put it onto this one first (outside jax.jit)."
   )
-
-
-def _on(mesh: Mesh, a: Any) -> NamedSharding:
-  s = getattr(a, "sharding", None)
-  return NamedSharding(mesh, s.spec if isinstance(s, NamedSharding) else P())
 
 
 # ------------------------------------------------------ under plain jit --
