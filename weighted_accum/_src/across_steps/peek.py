@@ -67,7 +67,9 @@ def peek_mean(
     >>> wa.peek_mean(state).grads['w'].item()   # (3*1 + 1*5) / 4
     2.0
   """
-  return placed.peek_mean(_window(state, "peek_mean"))
+  return placed.finish_mean(
+    _window(state, "peek_mean"), None, False, "peek_mean"
+  )[0]
 
 
 def discard(

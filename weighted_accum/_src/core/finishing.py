@@ -27,12 +27,12 @@ from weighted_accum._src.errors import WeightedAccumulationError
 _STATE_HINT = "Pass the window (an AccumState from wa.init or a finish)."
 
 
-def _window(state: Any, what: str, stacked_ok: bool = False) -> AccumState:
+def _window(state: Any, what: str) -> AccumState:
   state = validation.instance(
     state, AccumState, what=f"{what}(state)", hint=_STATE_HINT
   )
   validation.one_device_set([("state.grads", state.grads)], what=what)
-  return state if stacked_ok else one_window(state, what)
+  return state
 
 
 def one_window(state: AccumState, what: str) -> AccumState:

@@ -228,11 +228,9 @@ def finish_sums(
     >>> (out.grads['w'] / out.loss_scale / out.weight).item(), int(state.issued)
     (1.0, 0)
   """
-  state = finishing._window(state, "finish_sums", stacked_ok=True)
+  state = finishing._window(state, "finish_sums")
   ls = finishing._next_scale(state, next_loss_scale, "finish_sums")
-  if not base.plain(state):
-    return placed.finish_sums(state, ls)
-  return finishing._finish_kernel(state, ls, mean=False)
+  return placed.finish_sums(state, ls)
 
 
 def finish_mean(
@@ -279,14 +277,10 @@ def finish_mean(
     >>> round(out.grads['w'].item(), 5), bool(out.valid)
     (0.001, True)
   """
-  state = finishing._window(state, "finish_mean", stacked_ok=True)
+  state = finishing._window(state, "finish_mean")
   ls = finishing._next_scale(state, next_loss_scale, "finish_mean")
   checked = validation.static_flag(checked, what="finish_mean(checked=...)")
-  if not base.plain(state):  # as placed
-    return placed.finish_mean(state, ls, checked)
-  if not tree_utils.is_traced(state.weight_hi):
-    validation.nonempty_window(state, what="finish_mean")
-  return finishing.finish_global(state, ls, checked)
+  return placed.finish_mean(state, ls, checked)
 
 
 @validation.refuse_removed("axis_name")
@@ -381,19 +375,9 @@ def apply_window(
   validation.transformation(tx, what="apply_window(tx)")
   if isinstance(state, AccumulatedGradients):
     return finishing.apply_result(tx, state, params, opt_state, next_loss_scale)
-  state = finishing._window(state, "apply_window", stacked_ok=True)
+  state = finishing._window(state, "apply_window")
   ls = finishing._next_scale(state, next_loss_scale, "apply_window")
-  if not base.plain(state):  # as placed
-    return placed.apply_window(tx, state, params, opt_state, ls)
-  validation.one_device_set(
-    [
-      ("state.grads", state.grads),
-      ("params", params),
-      ("opt_state", opt_state),
-    ],
-    what="apply_window",
-  )
-  return finishing.apply_global(tx, state, params, opt_state, ls, ())
+  return placed.apply_window(tx, state, params, opt_state, ls)
 
 
 def set_loss_scale(

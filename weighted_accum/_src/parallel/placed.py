@@ -112,7 +112,7 @@ def accumulate(state, grads, weight, *, mean, checked, name) -> AccumState:
 
 
 def finish_mean(state, ls, checked, what: str = "finish_mean"):
-  """``wa.finish_mean`` of a window that is not plain."""
+  """``wa.finish_mean`` of a window as placed."""
   (at, state), axes = where(state, what), state.placement.axes
   if not tree_utils.is_traced(state.weight_hi):
     validation.nonempty_window(state, what=what)
@@ -134,13 +134,8 @@ def finish_sums(state, ls):
   return finishing._finish_kernel(state, ls, mean=False)
 
 
-def peek_mean(state):
-  """``wa.peek_mean``: the mean ``finish_mean`` gives, the window kept."""
-  return finish_mean(state, None, False, "peek_mean")[0]
-
-
 def apply_window(tx, state, params, opt_state, ls):
-  """``wa.apply_window`` of a window that is not plain."""
+  """``wa.apply_window`` of a window as placed."""
   caller = replicas.caller_mesh(params)
   (at, state), axes = (
     where(state, "apply_window", caller=caller),
