@@ -13,7 +13,6 @@ from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
-from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
@@ -110,8 +109,7 @@ def discard(
   ls = validation.optional_loss_scale(
     next_loss_scale, what=what, dtype=st.loss_scale.dtype
   )
-  if not base.plain(st):  # the placement checked against this context
-    st = placed.where(st, "discard")[1]
+  st = placed.where(st, "discard")[1]  # checked against this context
   finishing.shared_over_window(st, ls, what)
   new = _discard_kernel(st, ls)
   if isinstance(wrapper, WeightedMultiStepsState):

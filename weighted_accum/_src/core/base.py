@@ -112,13 +112,6 @@ def check_scalar(state: Any, what: str) -> None:
     )
 
 
-def plain(state: Any) -> bool:
-  """Whether ``state`` is a global window read as one (no ``shard_map``)."""
-  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-  kind = state.placement.kind
-  return kind == GLOBAL and np.ndim(state.weight_hi) == 0 and not manual
-
-
 def _counter(kind: str, initial: float, at_finish: str, replicas: str) -> Any:
   return struct.field(
     metadata={"counter": Counter(kind, initial, at_finish, replicas)}
@@ -145,11 +138,8 @@ class AccumState(struct.PyTreeNode):
     weight_lo: float32, the rounding error of ``weight_hi`` (exact tally).
     loss_scale: float32, the loss scale of this window.
     dtype: the work dtype (static).
-    placement: what the window is (static, a :class:`Placement`): its
-      ``kind`` (``"global"``, ``"replica"`` inside ``shard_map`` over
-      ``axes``, or ``"stacked"`` per replica between jitted steps, with the
-      mesh and devices it was made on), ``reduce`` (``"window"`` or
-      ``"microbatch"``). Set by :func:`~weighted_accum.init`.
+    placement: what the window is and where it lives (static, a
+      :class:`Placement`). Set by :func:`~weighted_accum.init`.
 
   Example:
     >>> import jax.numpy as jnp

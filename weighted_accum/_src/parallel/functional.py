@@ -21,7 +21,6 @@ import optax
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import accumulation
-from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
@@ -94,13 +93,9 @@ def init(
 
 
 def _accumulate(state, grads, weight, *, mean, checked, name):
-  if not isinstance(state, AccumState) or base.plain(state):
-    return accumulation.add(  # checks the window's type once
-      state, grads, weight, mean=mean, checked=checked, name=name
-    )
-  return placed.accumulate(
-    state, grads, weight, mean=mean, checked=checked, name=name
-  )
+  # accumulation.add checks the window's type; placed.accumulate places it.
+  add = placed.accumulate if isinstance(state, AccumState) else accumulation.add
+  return add(state, grads, weight, mean=mean, checked=checked, name=name)
 
 
 def accumulate_sum(
@@ -431,8 +426,7 @@ def set_loss_scale(
     hint="Pass the window from wa.init or a finish, then the scale.",
   )
   checked = validation.static_flag(checked, what="set_loss_scale(checked=...)")
-  if not base.plain(state):
-    state = placed.where(state, "set_loss_scale")[1]
+  state = placed.where(state, "set_loss_scale")[1]
   ls = validation.loss_scale(
     loss_scale,
     what="set_loss_scale(loss_scale)",

@@ -119,7 +119,7 @@ def finish_mean(state, ls, checked, what: str = "finish_mean"):
   if at == BLOCK:
     return _on_block(finish_mean, state, ls, checked, what)
   if at == STACKED:
-    return replicas.finish_mean(state, axes, ls, what)
+    return replicas.finish_mean(state, axes, ls)
   if at == GLOBAL:
     return finishing.finish_global(state, ls, checked)
   return window.finish(
@@ -136,33 +136,20 @@ def finish_sums(state, ls):
 
 def apply_window(tx, state, params, opt_state, ls):
   """``wa.apply_window`` of a window as placed."""
-  caller = replicas.caller_mesh(params)
-  (at, state), axes = (
-    where(state, "apply_window", caller=caller),
-    state.placement.axes,
-  )
-  validation.one_device_set(
-    [
-      ("state.grads", state.grads),
-      ("params", params),
-      ("opt_state", opt_state),
-    ],
-    what="apply_window",
-  )
+  at, state = where(state, "apply_window", caller=replicas.caller_mesh(params))
+  axes, held = state.placement.axes, [("state.grads", state.grads)]
+  held += [("params", params), ("opt_state", opt_state)]
+  validation.one_device_set(held, what="apply_window")
   if at == BLOCK:
     fn = functools.partial(apply_window, tx)
     return _on_block(fn, state, params, opt_state, ls)
   if at != STACKED:
     axes = axes if at == REPLICA else ()
     return finishing.apply_global(tx, state, params, opt_state, ls, axes)
-  tree_utils.match_tree(
-    jax.tree.map(
-      lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads
-    ),
-    params,
-    what="apply_window(params)",
-    ref_name="the accumulator's buffers",
-  )
+  row = lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype)
+  rows, buffers = jax.tree.map(row, state.grads), "the accumulator's buffers"
+  what = "apply_window(params)"
+  tree_utils.match_tree(rows, params, what=what, ref_name=buffers)
   return _apply_stacked(tx, state, params, opt_state, ls, axes)
 
 

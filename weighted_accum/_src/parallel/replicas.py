@@ -92,16 +92,6 @@ def stack(state: AccumState, axes: Axes) -> AccumState:
 # ---------------------------------------------------------------- init --
 
 
-def _params_mesh(params: Any, axes: Axes, what: str) -> Any:
-  """A concrete param's mesh, else the params' types' or the context mesh."""
-  for x in jax.tree.leaves(params):
-    s = getattr(x, "sharding", None)
-    concrete = isinstance(s, NamedSharding) and not tree_utils.is_traced(x)
-    if concrete and all(a in s.mesh.axis_names for a in axes):
-      return s.mesh
-  return layout_.find_mesh(jax.tree.leaves(params), axes, what=what)
-
-
 def stacked_spec(x: Any, axes: Axes, is_explicit: bool = False) -> P:
   """The spec of ``x``'s stacked buffer: replica axis, then ``x``'s spec."""
   if tree_utils.is_traced(x) and not is_explicit:
@@ -117,7 +107,9 @@ def stacked_spec(x: Any, axes: Axes, is_explicit: bool = False) -> P:
 
 def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   """The stacked window of the fresh window ``state`` of ``params``."""
-  mesh = _params_mesh(params, axes, what)
+  mesh = caller_mesh(params)  # a concrete param's, else set_mesh's
+  if mesh is None or not set(axes) <= set(mesh.axis_names):
+    mesh = layout_.find_mesh(jax.tree.leaves(params), axes, what=what)
   is_explicit = layout_.explicit(mesh, axes, what=what)
   placement = placement_on(mesh, axes)
   if not (isinstance(placement.mesh, Mesh) or is_explicit):
@@ -199,17 +191,13 @@ def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
     raise _refused(pl, what, f"called under jax.jit on {_show(to)}")
   if traced or at == to or not isinstance(to, Mesh):
     return state
-  put = lambda a: jax.device_put(a, NamedSharding(to, _spec(a)))
+  spec = lambda a: getattr(a.sharding, "spec", P())  # scalars: replicated
+  put = lambda a: jax.device_put(a, NamedSharding(to, spec(a)))
   return jax.tree.map(put, state).replace(placement=pl._replace(mesh=to))
 
 
 def _abstract(mesh: Any) -> Any:
   return getattr(mesh, "abstract_mesh", mesh)
-
-
-def _spec(a: Any) -> P:
-  s = getattr(a, "sharding", None)
-  return s.spec if isinstance(s, NamedSharding) else P()
 
 
 def _refused(pl: base.Placement, what: str, here: str) -> Exception:
@@ -271,12 +259,10 @@ def next_window(stacked: AccumState, closed: AccumState) -> AccumState:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any, what: str):
+@functools.partial(jax.jit, static_argnums=1)
+def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
   """``wa.finish_mean`` of a stacked window under plain ``jit``."""
-  glob = to_global(
-    state, axes, layout_.find_mesh([state.weight_hi], axes, what=what)
-  )
+  glob = to_global(state, axes, _abstract(state.placement.mesh))
   out, closed = window.finish(glob, mean=True, next_loss_scale=next_loss_scale)
   return out, next_window(state, closed)
 
