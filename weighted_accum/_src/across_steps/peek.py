@@ -66,9 +66,8 @@ def peek_mean(
     >>> wa.peek_mean(state).grads['w'].item()   # (3*1 + 1*5) / 4
     2.0
   """
-  return placed.finish_mean(
-    _window(state, "peek_mean"), None, False, "peek_mean"
-  )[0]
+  st = _window(state, "peek_mean")
+  return placed.finish_mean(st, None, False, "peek_mean")[0]
 
 
 def discard(

@@ -1,8 +1,5 @@
-"""The public closers: ``finish_sums``, ``finish_mean`` and ``apply_window``.
-
-Each validates its inputs here, then closes the window on the one close path
-(:mod:`weighted_accum._src.core.window`).
-"""
+"""The closers' checks and kernels (the public closers are in
+``parallel.functional``), on the one close path of ``core.window``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The public functional API: ``init``, ``accumulate_sum``,
-``accumulate_mean``, ``finish_sums``, ``finish_mean``, ``apply_window`` and
-``set_loss_scale``.
-
-Each checks its arguments, then reads what the window is from its placement
-(``AccumState.placement``, set by ``init``) in one place: a global window
-read as one goes to core's kernels, every other window to
-``parallel.placed``, which checks it against the caller's context.
-"""
+"""The public functional API. Each function checks its arguments, then
+``parallel.placed`` reads the window's placement (set by ``init``) against
+the caller's context: the one dispatch, with no registry."""
 
 from __future__ import annotations
 
@@ -419,19 +413,14 @@ def set_loss_scale(
     >>> float(state.loss_scale), out.grads['w'].tolist()
     (65536.0, [1.0, 1.0])
   """
+  hint = "Pass the window from wa.init or a finish, then the scale."
   validation.instance(
-    state,
-    AccumState,
-    what="set_loss_scale(state)",
-    hint="Pass the window from wa.init or a finish, then the scale.",
+    state, AccumState, what="set_loss_scale(state)", hint=hint
   )
   checked = validation.static_flag(checked, what="set_loss_scale(checked=...)")
   state = placed.where(state, "set_loss_scale")[1]
-  ls = validation.loss_scale(
-    loss_scale,
-    what="set_loss_scale(loss_scale)",
-    dtype=state.loss_scale.dtype,
-  )
+  what, dtype = "set_loss_scale(loss_scale)", state.loss_scale.dtype
+  ls = validation.loss_scale(loss_scale, what=what, dtype=dtype)
   if not tree_utils.is_traced(state.weight_hi):
     total = state.total_weight  # a stacked window's: over the replicas
     if total != 0:

@@ -1,8 +1,5 @@
-"""The one placement check (:func:`where`) and the entry points' paths for
-every window but a global one under plain ``jit`` (the public functions of
-``parallel.functional`` dispatch here). What each context computes:
-``docs/scaling.md``.
-"""
+"""The one placement check (:func:`where`) and each entry point's path for
+every kind of window. What each context computes: ``docs/scaling.md``."""
 
 from __future__ import annotations
 

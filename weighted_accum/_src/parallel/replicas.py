@@ -58,15 +58,14 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
 
 
 def check_block(state: AccumState, n: int, what: str) -> None:
-  """Refuses a stacked window not laid over its axes or not ``n`` long."""
-  axes = state.placement.axes
-  for path, x in [("weight_hi", state.weight_hi)] + tree_utils.flat(
-    state.grads
-  ):
+  """Refuses a stacked window whose leaves are not ``n`` rows long."""
+  leaves = [("weight_hi", state.weight_hi)] + tree_utils.flat(state.grads)
+  for path, x in leaves:
     if np.ndim(x) < 1 or np.shape(x)[0] != n:
       raise WeightedAccumulationError(
         f"{what}(state): leaf {path} has shape {np.shape(x)}, expected a "
-        f"leading replica axis of {n} here over {axes} (window_specs)."
+        f"leading replica axis of {n} here over {state.placement.axes} "
+        "(window_specs)."
       )
 
 
@@ -87,9 +86,6 @@ def stack(state: AccumState, axes: Axes) -> AccumState:
     placement=state.placement._replace(kind=base.STACKED, axes=axes),
     **{k: jax.tree.map(one, getattr(state, k)) for k in PER_REPLICA},
   )
-
-
-# ---------------------------------------------------------------- init --
 
 
 def stacked_spec(x: Any, axes: Axes, is_explicit: bool = False) -> P:
@@ -137,13 +133,10 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   )
 
 
-# ------------------------------------------------- where the window lives --
-
-
 def context_mesh() -> Mesh | None:
   """``jax.set_mesh``'s mesh, also under ``jax.jit`` (whose key holds it)."""
   mesh = _jax_mesh.get_concrete_mesh()  # jax.sharding.get_mesh outside jit
-  return None if mesh is None or mesh.empty else mesh
+  return None if mesh.empty else mesh
 
 
 def caller_mesh(tree: Any) -> Mesh | None:
@@ -158,22 +151,20 @@ def caller_mesh(tree: Any) -> Mesh | None:
 def placement_on(mesh: Any, axes: Axes) -> base.Placement:
   """A stacked window's placement on ``mesh`` (set_mesh's if abstract)."""
   ctx = context_mesh()
-  if ctx is not None and ctx.abstract_mesh == mesh:
-    mesh = ctx
-  return base.Placement(base.STACKED, axes, "window", mesh)
+  same = ctx is not None and ctx.abstract_mesh == mesh
+  return base.Placement(base.STACKED, axes, "window", ctx if same else mesh)
 
 
 def _show(mesh: Any) -> str:
   sizes = zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
   axes = ", ".join(f"{n!r}: {size} {t.name}" for n, size, t in sizes)
-  ids = mesh.device_ids.flat if isinstance(mesh, Mesh) else ["unknown"]
-  return f"mesh {{{axes}}} on devices {[int(i) for i in ids]}"
+  ids = list(map(int, mesh.device_ids.flat)) if isinstance(mesh, Mesh) else "?"
+  return f"mesh {{{axes}}} on devices {ids}"
 
 
 def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
-  """``state`` on the caller's mesh (``caller``, else set_mesh's, else the
-  one it was made on): checked against it, moved there when concrete (the
-  same rows in the same order: the same result), else refused by name."""
+  """``state`` checked against the caller's mesh (else set_mesh's, else its
+  own), moved there eagerly (rows in order: the same result), or refused."""
   pl, x = state.placement, state.weight_hi
   ctx = caller if caller is not None else context_mesh()
   traced, shape = tree_utils.is_traced(x), _abstract(pl.mesh)
@@ -184,7 +175,8 @@ def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
   if ctx is not None and _abstract(ctx) != shape:
     raise _refused(pl, what, f"called on {_show(ctx)}")
   if at is None or _abstract(at) != shape:
-    on = _show(at) if at else f"devices {sorted(d.id for d in x.devices())}"
+    ids = None if at is not None else sorted(d.id for d in x.devices())
+    on = _show(at) if ids is None else f"devices {ids}"
     raise _refused(pl, what, f"its arrays on {on}")
   to = ctx if isinstance(ctx, Mesh) else pl.mesh
   if traced and isinstance(pl.mesh, Mesh) and to != pl.mesh:
