@@ -336,7 +336,9 @@ def test_accumulate_refuses_a_window_stacked_for_another_replica_count():
     mode="sum",
     axis_name="data",
   )
-  with pytest.raises(Error, match=r"leading replica axis of 8"):
+  with pytest.raises(
+    Error, match=r"'data': 2 Auto.*called on mesh \{'data': 8"
+  ):
     f.accumulate(state, w, batch)
 
 

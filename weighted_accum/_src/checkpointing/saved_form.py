@@ -84,19 +84,13 @@ def abstract_state(
     )
   what = "abstract_state(axis_name=...)"
   axes = validation.axis_names(axis_name, what=what)
-  shardings = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
-  meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
-  meshes = [
-    m
-    for m in meshes + [jax.sharding.get_mesh()]  # then set_mesh's
-    if isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)
-  ]
-  if not meshes:
+  mesh = replicas.caller_mesh(params)  # a param's, else set_mesh's
+  if mesh is None or not set(axes) <= set(mesh.axis_names):
     raise WeightedAccumulationError(
       f"{what}: no param is on a mesh with the axes {axes} and none is set "
       "(jax.set_mesh): pass params with their NamedShardings."
     )
-  mesh, n = meshes[0], spmd_layout.size(meshes[0], axes)
+  n = spmd_layout.size(mesh, axes)
 
   def sds(shape, dtype, spec):
     return jax.ShapeDtypeStruct(
@@ -115,7 +109,7 @@ def abstract_state(
 
   return shapes.replace(
     grads=jax.tree.map(stacked, shapes.grads, params),
-    placement=base.Placement(base.STACKED, axes),
+    placement=replicas.placement_on(mesh, axes),
     **{name: counter(name) for name in base.NAMES},
   )
 

@@ -396,8 +396,9 @@ def _refuse_empty(cfg: Any, weight: Any, normalizers: Any) -> None:
       )
 
 
-def _check_window(state: Any, lay: Layout, what: str) -> None:
-  """Refuses a window that is not stacked for these replicas."""
+def _check_window(state: Any, pl: Any, what: str, args: tuple) -> Any:
+  """The window on the call's mesh, refused if not stacked for it."""
+  lay = pl.lay
   if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
     raise WeightedAccumulationError(
       f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
@@ -408,7 +409,11 @@ def _check_window(state: Any, lay: Layout, what: str) -> None:
       f"{what}: under plain jit the window is stacked over the "
       f"{lay.replicas} replicas: wa.init(params, axis_name={lay.axes!r})."
     )
+  state = replicas.home(
+    state, replicas.caller_mesh(args), what.removesuffix("(state)"), lay.axes
+  )
   replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
+  return state
 
 
 def accumulate(
@@ -426,7 +431,7 @@ def accumulate(
   state = validation.instance(state, AccumState, what=what, hint=hint)
   pl = plan_call(cfg, args, kwargs)
   lay = pl.lay
-  _check_window(state, lay, what)
+  state = _check_window(state, pl, what, args)
   n_real = validation.num_real(
     num_real, pl.inner.roles.num_microbatches, what=_WHAT
   )

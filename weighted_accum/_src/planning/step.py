@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from weighted_accum._src import validation
-from weighted_accum._src.core import functional
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window as close
 from weighted_accum._src.errors import WeightedAccumulationError
@@ -23,6 +22,7 @@ from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad,
 )
+from weighted_accum._src.parallel import functional
 from weighted_accum._src.parallel import spmd_layout
 from weighted_accum._src.parallel.spmd_layout import DataParallel
 from weighted_accum._src.planning.packing import Packed
