@@ -16,6 +16,8 @@ from weighted_accum._src import validation
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.errors import WeightedAccumulationError
 
+_ROLES = ("argnums", "batch_argnums", "state_argnums", "key_argnums")
+
 
 class Roles(NamedTuple):
   """The validated argument roles and split of one microbatched function."""
@@ -48,27 +50,36 @@ def _batch(batch: Any) -> tuple[Any, tuple, Any]:
   return nums, names, tuple(batch[k] for k in (*nums, *names))
 
 
-def configure(what: str, **kw: Any) -> Roles:
+def configure(
+  what,
+  num_microbatches,
+  microbatch_size,
+  argnums,
+  batch_argnums,
+  split,
+  state_argnums,
+  key_argnums,
+  **_: Any,  # unused: the planned step passes batch_argnames=, in_axes=
+) -> Roles:
   """Validates the roles (each named in its error) and their disjointness."""
   hint = "pass num_real_microbatches to run fewer without recompiling."
-  k, size = (
+  count = lambda n, s, h: (
     None
-    if kw[n] is None
-    else validation.static_int(kw[n], what=f"{what}({n}=...)", hint=h)
-    for n, h in (("num_microbatches", hint), ("microbatch_size", ""))
+    if n is None
+    else validation.static_int(n, what=f"{what}({s}=...)", hint=h)
   )
+  k = count(num_microbatches, "num_microbatches", hint)
+  size = count(microbatch_size, "microbatch_size", "")
   if (k is None) == (size is None):
     raise WeightedAccumulationError(
       f"{what}: pass exactly one of num_microbatches and microbatch_size."
     )
-  batch, names, in_axes = _batch(kw["batch_argnums"])
+  batch, names, in_axes = _batch(batch_argnums)
   names = validation.argnames(names, what=what, name="batch_argnums")
-  num = lambda name: validation.optional_argnums(
-    kw[name] if name != "batch_argnums" else batch, what=what, name=name
-  )
+  given = (argnums, batch, state_argnums, key_argnums)
   roles = {
-    name: num(name)
-    for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums")
+    name: validation.optional_argnums(x, what=what, name=name)
+    for name, x in zip(_ROLES, given)
   }
   if not roles["argnums"]:
     raise WeightedAccumulationError(
@@ -79,14 +90,13 @@ def configure(what: str, **kw: Any) -> Roles:
       f"{what}: no batch argument to split; pass batch_argnums."
     )
   _check_disjoint(what, roles)
-  split = kw["split"]
   return Roles(
-    single=isinstance(kw["argnums"], (int, np.integer)),
+    single=isinstance(argnums, (int, np.integer)),
     batch_argnames=names,
     in_axes=validation.in_axes(
       in_axes, len(roles["batch_argnums"]) + len(names), what=what
     ),
-    single_state=isinstance(kw["state_argnums"], (int, np.integer)),
+    single_state=isinstance(state_argnums, (int, np.integer)),
     split=validation.split(
       "strided" if split is None else split, what=f"{what}(split=...)"
     ),
@@ -99,14 +109,13 @@ def configure(what: str, **kw: Any) -> Roles:
 
 def _check_disjoint(what: str, roles: dict[str, tuple[int, ...]]) -> None:
   seen: dict[int, str] = {}
-  for name, nums in roles.items():
-    for n in nums:
-      if n in seen:
-        raise WeightedAccumulationError(
-          f"{what}: argument {n} is in both {seen[n]} and {name}; give "
-          "each argument one role."
-        )
-      seen[n] = name
+  for name, n in ((name, n) for name, ns in roles.items() for n in ns):
+    if n in seen:
+      raise WeightedAccumulationError(
+        f"{what}: argument {n} is in both {seen[n]} and {name}; give each "
+        "argument one role."
+      )
+    seen[n] = name
 
 
 # ------------------------------------------------------------ one call --
@@ -153,19 +162,18 @@ class Call(NamedTuple):
   rows: int  # the split batch's rows along its batch axis
 
 
+_ARRAY = (jax.Array, np.ndarray, np.generic)
+
+
 def differentiable(x: Any) -> bool:
   """A floating array leaf (JAX or NumPy): what is differentiated."""
-  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return False
-  return jnp.issubdtype(x.dtype, jnp.floating)
+  return isinstance(x, _ARRAY) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _refuse_complex(what: str, n: int, x: Any) -> None:
   """Refuses complex array leaves, as ``wa.init`` does."""
   for path, v in tree_utils.flat(x):
-    if isinstance(v, (jax.Array, np.ndarray, np.generic)) and jnp.iscomplexobj(
-      v
-    ):
+    if isinstance(v, _ARRAY) and jnp.iscomplexobj(v):
       raise WeightedAccumulationError(
         f"{what}: argument {n} (argnums) leaf {path} is {v.dtype}; complex "
         "params are not supported: differentiate the real and imaginary "
@@ -222,7 +230,7 @@ def _refuse_nnx_state(what: str, n: int, x: Any) -> None:
 
 def _batch_trees(what: str, roles: Roles, args: tuple, kwargs: dict) -> list:
   """``(kind, where, tree)`` of each batch argument, the roles' indices checked."""
-  for name in ("argnums", "batch_argnums", "state_argnums", "key_argnums"):
+  for name in _ROLES:
     nums = getattr(roles, name)
     if nums and max(nums) >= len(args):
       raise WeightedAccumulationError(
@@ -268,11 +276,8 @@ def num_microbatches(what: str, roles: Roles, sizes: list) -> int:
       or size % k
       or (roles.microbatch_size and size != k * roles.microbatch_size)
     ):
-      count = (
-        f"microbatch_size={roles.microbatch_size}"
-        if roles.microbatch_size
-        else f"num_microbatches={k}"
-      )
+      m = roles.microbatch_size
+      count = f"microbatch_size={m}" if m else f"num_microbatches={k}"
       raise WeightedAccumulationError(
         f"{what}: {name} has {size} rows; every batch leaf needs the same "
         f"size along its batch axis, divisible by {count} (first leaf: {b} "
@@ -337,12 +342,11 @@ def as_params(call: Call, values: tuple[list[Any], ...], roles: Roles) -> Any:
   return trees[0] if roles.single else tuple(trees)
 
 
-def param_tree(what: str, n: int, x: Any) -> Any:
-  """Argument ``n``'s differentiated leaves (``None`` where held fixed)."""
-  d = _diff(what, n, x)
-  return jax.tree.unflatten(
-    d.treedef, [v if m else None for v, m in zip(d.leaves, d.mask)]
-  )
+def params(what: str, roles: Roles, args: tuple) -> Any:
+  """The differentiated arguments' leaves (``None`` where held fixed)."""
+  diffs = tuple(_diff(what, n, args[n]) for n in roles.argnums)
+  call = Call((), {}, 0, (), diffs, 0)
+  return as_params(call, diff_values(call), roles)
 
 
 def _combine(d: Diff, vals: list[Any]) -> Any:

@@ -49,7 +49,7 @@ def _pair(x: Any) -> tuple:
   return tuple(x)
 
 
-def unpack(cfg: Any, res: Any) -> tuple[Any, Any, Any, tuple]:
+def _unpack(cfg: Any, res: Any) -> tuple[Any, Any, Any, tuple]:
   """``loss_fn``'s result as ``(loss, weight, aux, states)``."""
   roles, got = cfg.roles, res
   states: tuple = ()
@@ -85,7 +85,7 @@ def _scalar(x: Any, kind: str, name: Any, floating: bool) -> jax.Array:
 
 
 def evaluate(cfg: Any, args: list, kwargs: dict) -> Eval:
-  loss, weight, aux, states = unpack(cfg, cfg.loss_fn(*args, **kwargs))
+  loss, weight, aux, states = _unpack(cfg, cfg.loss_fn(*args, **kwargs))
   if isinstance(loss, Mapping):
     terms = dict(loss)
     if not isinstance(weight, Mapping):
@@ -138,7 +138,7 @@ def presence(ev: Eval, terms: tuple) -> jax.Array:
 
 
 def _finish_all(cfg: Any, groups: tuple, carry: Any, dtypes: Any) -> tuple:
-  """Each window closed on the one finish path (in ``dtypes``): outs, sums, rejections."""
+  """Each window closed on the one close path: results, sums, rejections."""
   names = list(carry.sums)
   extra = {f"loss{j}": carry.sums[t][0] for j, t in enumerate(names)}
   extra |= {f"weight{j}": carry.sums[t][1] for j, t in enumerate(names)}
@@ -186,13 +186,10 @@ def _all(flags: list) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
 
 
-def _wide(x: jax.Array) -> jax.Array:
-  return x.astype(numerics.compute_dtype(x.dtype))
-
-
 def _summed(outs: list) -> Any:
   """The windows' results summed, in the compute dtype."""
-  parts = [jax.tree.map(_wide, o.grads) for o in outs]
+  wide = lambda x: x.astype(numerics.compute_dtype(x.dtype))
+  parts = [jax.tree.map(wide, o.grads) for o in outs]
   return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *parts)
 
 

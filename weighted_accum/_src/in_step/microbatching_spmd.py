@@ -1,9 +1,8 @@
 """``microbatched_value_and_grad(..., axis_name=...)`` under plain ``jax.jit``:
-the call's plan (mesh, the params' layout over the data axes, FSDP included)
-and the loop in a partial-manual ``jax.shard_map`` over those axes, one
-collective round per call whatever K; an eager call compiles that call's
-own program (``jax.jit`` of its closure: nothing kept; repeated calls
-belong under ``jax.jit``). FSDP and the mesh: ``docs/scaling.md``."""
+the call's plan (mesh, the params' layout, FSDP included) and the same step
+in a partial-manual ``jax.shard_map`` over the data axes, one collective
+round per call; eagerly, ``jax.jit`` of that call's closure (nothing kept).
+FSDP and the mesh: ``docs/scaling.md``."""
 
 from __future__ import annotations
 
@@ -122,27 +121,6 @@ def _scattered(lay: Layout, state: Any, grads: Any, weight: Any, mean: bool):
   return jax.tree.unflatten(treedef, out)
 
 
-def _params(cfg: Any, args: tuple) -> Any:
-  """The differentiated leaves in the params' structure (``None``: fixed)."""
-  trees = [margs.param_tree(_WHAT, n, args[n]) for n in cfg.roles.argnums]
-  return trees[0] if cfg.roles.single else tuple(trees)
-
-
-def _refuse_roles(cfg: Any) -> None:
-  roles, axes = cfg.roles, cfg.axes
-  if roles.state_argnums:
-    raise WeightedAccumulationError(
-      f"{_WHAT}(axis_name={axes}, state_argnums={roles.state_argnums}): "
-      "each replica would thread its own state; call f inside jax.shard_map "
-      "and combine the replicas' states yourself."
-    )
-  if roles.split == "contiguous":
-    raise WeightedAccumulationError(
-      f"{_WHAT}(axis_name={axes}, split='contiguous'): a replica's k-th "
-      "block is not the batch's; use split='strided'."
-    )
-
-
 def _check_batch(cfg, batch: list, k: int, n: int, is_explicit: bool):
   """Every batch leaf splits into the replicas' rows, then into K."""
   axes = cfg.axes
@@ -172,12 +150,23 @@ class _Plan(NamedTuple):
   lay: Layout
   inner: Any
   batch: list  # the batch leaves (margs.Leaf)
+  grads: Any  # the params' (and so the gradients') treedef
 
 
 def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   """The mesh, its axis type, the params' layout and the inner config."""
-  axes = cfg.axes
-  _refuse_roles(cfg)
+  axes, roles = cfg.axes, cfg.roles
+  if roles.state_argnums:
+    raise WeightedAccumulationError(
+      f"{_WHAT}(axis_name={axes}, state_argnums={roles.state_argnums}): "
+      "each replica would thread its own state; call f inside jax.shard_map "
+      "and combine the replicas' states yourself."
+    )
+  if roles.split == "contiguous":
+    raise WeightedAccumulationError(
+      f"{_WHAT}(axis_name={axes}, split='contiguous'): a replica's k-th "
+      "block is not the batch's; use split='strided'."
+    )
   margs.refuse_node_state(
     f"{_WHAT}(axis_name={axes})",
     cfg.roles,
@@ -196,20 +185,18 @@ def plan_call(cfg: Any, args: tuple, kwargs: dict) -> _Plan:
   )
   is_explicit = layout_.explicit(mesh, axes, what=f"{_WHAT}(axis_name=...)")
   n = layout_.size(mesh, axes)
-  k = cfg.roles.num_microbatches or margs.num_microbatches(
-    _WHAT, cfg.roles, batch
-  )
+  k = roles.num_microbatches or margs.num_microbatches(_WHAT, roles, batch)
   _check_batch(cfg, batch, k, n, is_explicit)
-  params = _params(cfg, args)
+  params = margs.params(_WHAT, roles, args)  # None: held fixed
   specs = _param_specs(cfg, params, is_explicit)
   leaves = tuple(
     _leaf(spec, mesh, is_explicit, path, x, axes)
     for spec, (path, x) in zip(specs, tree_utils.flat(params))
   )
   lay = Layout(axes, n, cfg.dp.fsdp, leaves)
-  roles = cfg.roles._replace(num_microbatches=k, microbatch_size=None)
+  roles = roles._replace(num_microbatches=k, microbatch_size=None)
   inner = cfg._replace(spmd=lay, roles=roles)
-  return _Plan(mesh, is_explicit, lay, inner, batch)
+  return _Plan(mesh, is_explicit, lay, inner, batch, jax.tree.structure(params))
 
 
 def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
@@ -257,17 +244,9 @@ def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
 _ARRAYS = (jax.Array, np.ndarray, np.generic, float)
 
 
-class _Split(NamedTuple):
-  """A call's arguments cut in two."""
-
-  treedef: Any
-  leaves: list
-  dynamic: list  # positions of the array leaves
-  specs: list
-
-
-def _split(cfg: Any, call: tuple, pl: _Plan) -> _Split:
-  """The call's array leaves, the batch leaves split over the data axes."""
+def _split(cfg: Any, call: tuple, pl: _Plan) -> tuple[list, list, Callable]:
+  """The call's array leaves, their specs (the batch's split over the data
+  axes) and the function joining them to the others."""
   args, kwargs, *rest = call
   it, entry = iter(pl.batch), layout_.entry(pl.lay.axes)
   spec = lambda t, f: jax.tree.map(lambda _: f(), t)
@@ -283,25 +262,22 @@ def _split(cfg: Any, call: tuple, pl: _Plan) -> _Split:
   leaves, treedef = jax.tree.flatten(call)
   specs = treedef.flatten_up_to(tree)
   dynamic = [i for i, x in enumerate(leaves) if isinstance(x, _ARRAYS)]
-  return _Split(treedef, leaves, dynamic, [specs[i] for i in dynamic])
+
+  def join(values: list) -> Any:
+    out = list(leaves)
+    for i, v in zip(dynamic, values):
+      out[i] = v
+    return jax.tree.unflatten(treedef, out)
+
+  return [leaves[i] for i in dynamic], [specs[i] for i in dynamic], join
 
 
-def _joined(sp: _Split, values: list) -> Any:
-  leaves = list(sp.leaves)
-  for i, v in zip(sp.dynamic, values):
-    leaves[i] = v
-  return jax.tree.unflatten(sp.treedef, leaves)
-
-
-def _out_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
+def _out_specs(cfg: Any, pl: _Plan) -> Any:
   """``f``'s ``shard_map`` out specs, the gradients' on their layout."""
-  treedef = jax.tree.structure(_params(cfg, args))
-  grads = jax.tree.unflatten(
-    treedef, [layout_.grad_spec(e) for e in lay.leaves]
-  )
-  out = AccumulatedGradients(grads, *[P()] * 5)
+  specs = [layout_.grad_spec(e) for e in pl.lay.leaves]
+  out = AccumulatedGradients(jax.tree.unflatten(pl.grads, specs), *[P()] * 5)
   if cfg.has_aux:
-    return (P(), P(None, layout_.entry(lay.axes))), out
+    return (P(), P(None, layout_.entry(pl.lay.axes))), out
   return P(), out
 
 
@@ -324,29 +300,29 @@ def _placed(res: Any, pl: _Plan) -> Any:
   return value, out.replace(grads=jax.tree.unflatten(treedef, grads))
 
 
-def aux_per_replica(aux: Any, axes: Axes) -> Any:
+def _per_replica(aux: Any, axes: Axes) -> Any:
   """This replica's ``[K, ...]`` aux as its ``[K, 1, ...]`` block."""
   return jax.tree.map(lambda a: a[:, None], tree_utils.to_varying(aux, axes))
 
 
-def _sharded(cfg, pl: _Plan, sp: _Split, fn, specs, args, *rest, post):
+def _sharded(cfg, pl: _Plan, split, fn, specs, args, *rest, post):
   """``fn(args, kwargs, ..., *rest)`` per replica in a ``shard_map``."""
+  dyn, dyn_specs, join = split
 
   def body(values, *rest):
-    a, kw, *extra = _joined(sp, values)
+    a, kw, *extra = join(values)
     return fn(a, kw, *extra, *rest), margs.rng_states(cfg.roles, a)
 
   def run(dyn, *rest):
     res, rngs = jax.shard_map(
       body,
       mesh=pl.mesh,
-      in_specs=(sp.specs, *specs[0]),
+      in_specs=(dyn_specs, *specs[0]),
       out_specs=(specs[1], P()),
       axis_names=set(pl.lay.axes),
     )(dyn, *rest)
     return post(res), rngs
 
-  dyn = [sp.leaves[i] for i in sp.dynamic]
   # Eagerly, this call's program, compiled whole (an eager shard_map runs op
   # by op); under jit, inlined. A fresh closure: no program is reused.
   res, rngs = jax.jit(run)(dyn, *rest)
@@ -354,28 +330,33 @@ def _sharded(cfg, pl: _Plan, sp: _Split, fn, specs, args, *rest, post):
   return res
 
 
+def _setup(cfg: Any, args: tuple, kwargs: dict, num_real: Any, *rest):
+  """The call's plan, its count checked, its leaves split for the map."""
+  pl = plan_call(cfg, args, kwargs)
+  k = pl.inner.roles.num_microbatches
+  n_real = validation.num_real(num_real, k, what=_WHAT)
+  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs, *rest), pl)
+  return pl, n_real, sp
+
+
 def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
   """``f`` with ``axis_name`` on the global batch: ``step`` per replica."""
   args, kwargs, num_real, scale, normalizers = call
-  pl = plan_call(cfg, args, kwargs)
-  n_real = validation.num_real(
-    num_real, pl.inner.roles.num_microbatches, what=_WHAT
-  )
   norms = jax.tree.map(  # each checked here: inside, they are traced
     lambda v: validation.normalizer(v, what=f"{_WHAT}(...)(normalizers=)"),
     normalizers,
   )
-  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs, norms), pl)
+  pl, n_real, sp = _setup(cfg, args, kwargs, num_real, norms)
 
   def fn(a, kw, norms, n_real, ls):
     res = step(pl.inner, a, kw, n_real, ls, norms)
     if not cfg.has_aux:
       return res
     (loss, aux), out = res
-    return (loss, aux_per_replica(aux, pl.lay.axes)), out
+    return (loss, _per_replica(aux, pl.lay.axes)), out
 
-  specs = ((P(), P()), _out_specs(cfg, args, pl.lay))
-  ls = jnp.asarray(scale)  # validated by the caller (microbatching)
+  specs = ((P(), P()), _out_specs(cfg, pl))
+  ls = jnp.asarray(scale)  # validated by the caller
   post = lambda res: _placed(res, pl)
   res = _sharded(cfg, pl, sp, fn, specs, args, n_real, ls, post=post)
   _refuse_empty(cfg, res[1].weight, norms)
@@ -416,12 +397,7 @@ def _check_window(state: Any, pl: Any, what: str, args: tuple) -> Any:
   return state
 
 
-def accumulate(
-  cfg: Any,
-  step: Callable[..., Any],
-  state: Any,
-  call: tuple,
-) -> Any:
+def accumulate(cfg: Any, step: Callable[..., Any], state: Any, call: tuple):
   """``f.accumulate`` on the global batch: a stacked window, no collective."""
   args, kwargs, num_real = call
   what = f"{_WHAT}(...).accumulate(state)"
@@ -429,14 +405,10 @@ def accumulate(
     "Pass a stacked window: wa.init(params, axis_name=...) outside shard_map."
   )
   state = validation.instance(state, AccumState, what=what, hint=hint)
-  pl = plan_call(cfg, args, kwargs)
+  pl, n_real, sp = _setup(cfg, args, kwargs, num_real)
   lay = pl.lay
   state = _check_window(state, pl, what, args)
-  n_real = validation.num_real(
-    num_real, pl.inner.roles.num_microbatches, what=_WHAT
-  )
   one = P(layout_.entry(lay.axes))
-  sp = _split(cfg, (_gathered(cfg, args, pl), kwargs), pl)
 
   def fn(a, kw, block, n_real):
     value, st = step(pl.inner, block, a, kw, n_real)
@@ -444,7 +416,7 @@ def accumulate(
       value, aux = value
     value = tuple(tree_utils.to_varying(v, lay.axes)[None] for v in value)
     if cfg.has_aux:
-      value = (value, aux_per_replica(aux, lay.axes))
+      value = (value, _per_replica(aux, lay.axes))
     return value, st
 
   st_specs = replicas.specs(state, lay.axes)
