@@ -281,22 +281,19 @@ def _out_specs(cfg: Any, pl: _Plan) -> Any:
   return P(), out
 
 
-def _constrain(g: Any, mesh: Any, spec: Any, is_explicit: bool) -> Any:
-  """``g`` on its param's sharding (known specs only)."""
-  if spec is None:
-    return g
-  if is_explicit:
-    return g if jax.typeof(g).sharding.spec == spec else jax.reshard(g, spec)
-  return lax.with_sharding_constraint(g, NamedSharding(mesh, spec))
-
-
 def _placed(res: Any, pl: _Plan) -> Any:
+  """``f``'s result, each gradient on its param's sharding (known specs)."""
+
+  def one(g: Any, spec: Any) -> Any:
+    if spec is None:
+      return g
+    if pl.is_explicit:
+      return g if jax.typeof(g).sharding.spec == spec else jax.reshard(g, spec)
+    return lax.with_sharding_constraint(g, NamedSharding(pl.mesh, spec))
+
   value, out = res
   leaves, treedef = jax.tree.flatten(out.grads)
-  grads = [
-    _constrain(g, pl.mesh, leaf.spec, pl.is_explicit)
-    for g, leaf in zip(leaves, pl.lay.leaves)
-  ]
+  grads = [one(g, e.spec) for g, e in zip(leaves, pl.lay.leaves)]
   return value, out.replace(grads=jax.tree.unflatten(treedef, grads))
 
 
