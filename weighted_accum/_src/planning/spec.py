@@ -10,6 +10,7 @@ import math
 from weighted_accum._src.errors import WeightedAccumulationError
 
 OVERLONG = ("refuse", "truncate", "split")
+OVERHEAD = 64.0  # a microbatch's fixed cost, in tokens (the default model)
 
 
 def _ints(value, what: str) -> tuple[int, ...]:
@@ -48,8 +49,16 @@ class PlanSpec:
     overlong: a row longer than the largest bucket: ``"refuse"`` it,
       ``"truncate"`` it to that bucket, or ``"split"`` it into rows of at
       most that length (each piece loses the context before it).
-    cost: FLOPs per token and per (token, token) pair of a row; the default
-      is a decoder of width 128 (pairs cost ``1 / (6 d)`` of a token).
+    cost: the cost model, ``(per token, per (token, token) pair of a row,
+      per microbatch)``, in units of one token's FLOPs; the default is a
+      decoder of width 128 (pairs cost ``1 / (6 d)`` of a token) with a
+      microbatch's fixed cost (a loop step, the kernels' launches) worth
+      ``OVERHEAD`` tokens. A pair ``(per token, per pair)`` takes that
+      overhead. ``python -m benchmarks planning --calibrate`` fits all three
+      on your machine.
+    pack: pack rows first-fit decreasing into rows of a bucket's length
+      (several segments per row) before planning; the microbatch then
+      carries ``segment_ids`` and ``positions`` (see :func:`plan_batch`).
 
   Example:
     >>> from weighted_accum.planning import PlanSpec
@@ -64,7 +73,8 @@ class PlanSpec:
   row_divisors: tuple[int, ...] = (1, 2, 4, 8)
   replicas: int = 1
   overlong: str = "refuse"
-  cost: tuple[float, float] = (1.0, 1.0 / 768)
+  cost: tuple[float, ...] = (1.0, 1.0 / 768, OVERHEAD)
+  pack: bool = False
 
   def __post_init__(self):
     put = lambda k, v: object.__setattr__(self, k, v)
@@ -83,12 +93,17 @@ class PlanSpec:
         f"PlanSpec(overlong={self.overlong!r}): one of {OVERLONG}."
       )
     cost = tuple(float(c) for c in self.cost)
-    if len(cost) != 2 or not all(math.isfinite(c) and c >= 0 for c in cost):
+    cost += (OVERHEAD,) * (len(cost) == 2)
+    if len(cost) != 3 or not all(math.isfinite(c) and c >= 0 for c in cost):
       raise WeightedAccumulationError(
-        f"PlanSpec(cost={self.cost!r}): (per token, per token pair), two "
-        "finite non-negative numbers."
+        f"PlanSpec(cost={self.cost!r}): (per token, per token pair[, per "
+        "microbatch]), finite non-negative numbers."
       )
     put("cost", cost)
+    if not isinstance(self.pack, bool):
+      raise WeightedAccumulationError(
+        f"PlanSpec(pack={self.pack!r}): True or False."
+      )
 
   @functools.cached_property
   def shapes(self) -> tuple[tuple[int, int], ...]:
@@ -109,5 +124,6 @@ class PlanSpec:
     return tuple(-(-self.batch_rows // r) for r, _ in self.shapes)
 
   def shape_cost(self, rows: int, length: int) -> float:
-    """The cost model's FLOPs of one microbatch of ``rows`` x ``length``."""
-    return rows * (self.cost[0] * length + self.cost[1] * length * length)
+    """The cost model's cost of one microbatch of ``rows`` x ``length``."""
+    a, b, c = self.cost
+    return rows * (a * length + b * length * length) + c
