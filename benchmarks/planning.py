@@ -202,6 +202,40 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
   )
 
 
+def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
+  """Fits ``PlanSpec.cost`` on this machine and prints it: the benchmark's
+  LM, ``K`` microbatches of a few ``(rows, length)`` shapes per step, timed
+  (median of runs); least squares of the step's time on ``K rows L`` (per
+  token), ``K rows L^2`` (per pair), ``K`` (per microbatch) and 1 (the
+  step's own fixed cost), in units of the per-token term."""
+  c = SIZES["smoke" if cfg.smoke else "default"]
+  top, params = c["top"], _params(c)
+  loss = _loss_fn(c["heads"])[0]
+  rows, times = [], []
+  for r, n in ((1, top // 16), (16, top // 16), (1, top // 4), (4, top // 4),
+               (1, top), (2, top)):  # fmt: skip
+    for k in (1, 4):
+      lengths = np.full(k * r, n)
+      batch, mask = _batch(lengths, n, np.random.default_rng(0))
+      f = jax.jit(wa.microbatched_value_and_grad(loss, k, mode="sum"))
+      args = (params, dict(batch, mask=mask))
+      jax.block_until_ready(f(*args))
+      runs = []
+      for _ in range(cfg.runs or 5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        runs.append(time.perf_counter() - t0)
+      rows.append([k * r * n, k * r * n * n, k, 1.0])
+      times.append(np.median(runs))
+  fit = np.linalg.lstsq(np.asarray(rows), np.asarray(times), rcond=None)[0]
+  a, b, o = np.maximum(fit[:3], 0.0)
+  cost = (1.0, float(b / a), float(o / a))
+  print(f"per token {a * 1e9:.1f} ns, per pair {b * 1e9:.3f} ns, per "
+        f"microbatch {o * 1e6:.0f} us, per step {fit[3] * 1e6:.0f} us")  # fmt: skip
+  print(f"PlanSpec(..., cost=({cost[0]}, {cost[1]:.4g}, {cost[2]:.4g}))")
+  return cost
+
+
 def run(cfg: h.Settings) -> dict:
   c = SIZES["smoke" if cfg.smoke else "default"]
   steps = _steps(c)

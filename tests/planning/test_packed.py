@@ -150,3 +150,25 @@ def test_a_loss_asking_for_segments_of_a_spec_that_does_not_pack():
   f = planning.planned_value_and_grad(loss_fn, spec, mode="sum")
   with pytest.raises(wa.WeightedAccumulationError, match="pack=True"):
     f(_params(jnp.float32), packed)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_spec_from_lengths_is_no_dearer_than_simpler_specs(pack):
+  """``from_lengths`` keeps within ``max_shapes`` and its plans of the
+  sample cost no more (by the model) than hand-picked specs of as few
+  shapes: one bucket, or the top and one power of two below it."""
+  rng = np.random.default_rng(0)
+  n = np.clip(rng.lognormal(np.log(60), 1.0, 256), 8, 512).astype(int)
+  kw = dict(budget=4096, batch_rows=64, pack=pack)
+  spec = planning.PlanSpec.from_lengths(n, **kw)
+  assert len(spec.shapes) <= 3 and spec.buckets[-1] == n.max()
+
+  def cost(s):
+    return sum(pl.plan(s, n[i : i + 64]).costs.max() for i in (0, 64, 128, 192))
+
+  for buckets, divisors in [((n.max(),), (1,)), ((n.max(),), (1, 2, 4)),
+                            ((128, n.max()), (1,)), ((64, n.max()), (1,))]:  # fmt: skip
+    other = planning.PlanSpec(buckets, row_divisors=divisors, **kw)
+    assert cost(spec) <= cost(other) + 1e-6, other
+  with pytest.raises(wa.WeightedAccumulationError, match="sample_lengths"):
+    planning.PlanSpec.from_lengths([0, 3], **kw)

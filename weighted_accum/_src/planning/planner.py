@@ -8,12 +8,15 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.planning.spec import PlanSpec
+
+# spec.py imports this module (``PlanSpec.from_lengths`` plans a sample):
+# the spec is annotated by name only.
+PlanSpec = Any
 
 # Columns of ``Plan.pieces``: a piece is a row, or a part of a split row.
 ROW, START, LENGTH, REPLICA, SHAPE, SLOT, POS, OFFSET = range(8)

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
+from typing import Any
+
+import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.planning import planner
 
 OVERLONG = ("refuse", "truncate", "split")
 OVERHEAD = 64.0  # a microbatch's fixed cost, in tokens (the default model)
@@ -127,3 +132,65 @@ class PlanSpec:
     """The cost model's cost of one microbatch of ``rows`` x ``length``."""
     a, b, c = self.cost
     return rows * (a * length + b * length * length) + c
+
+  @classmethod
+  def from_lengths(
+    cls,
+    sample_lengths: Any,
+    *,
+    budget: int,
+    batch_rows: int,
+    max_shapes: int = 3,
+    longest: int | None = None,
+    **options: Any,
+  ) -> PlanSpec:
+    """The spec of at most ``max_shapes`` shapes whose plans of a sample of
+    row lengths cost least by the cost model.
+
+    The candidates: buckets ``longest`` (default: the sample's longest row)
+    and up to ``max_shapes - 1`` powers of two from 8 below it, sub-shapes
+    ``(1,)``, ``(1, 2)``, ``(1, 2, 4)``... while the shapes number at most
+    ``max_shapes`` (each shape is one more compiled loop). Each is scored
+    by planning the sample cut into batches of ``batch_rows x replicas``
+    rows (up to 16) and summing each batch's slowest replica; the cheapest
+    wins, fewer shapes on a tie.
+
+    Args:
+      sample_lengths: row lengths like those to come (ints >= 1).
+      budget, batch_rows: as the constructor's.
+      max_shapes: the most compiled shapes.
+      longest: the largest bucket (with ``overlong=`` for longer rows).
+      **options: the constructor's other arguments (``replicas``,
+        ``pack``, ``overlong``, ``cost``), kept as given.
+
+    Returns:
+      The chosen :class:`PlanSpec`.
+
+    Example:
+      >>> import numpy as np
+      >>> from weighted_accum.planning import PlanSpec
+      >>> lengths = np.r_[np.full(60, 20), np.full(4, 500)]
+      >>> PlanSpec.from_lengths(lengths, budget=1024, batch_rows=64).shapes
+      ((32, 32), (2, 500))
+    """
+    n = np.asarray(sample_lengths)
+    if n.ndim != 1 or not n.size or n.dtype.kind not in "iu" or n.min() < 1:
+      raise WeightedAccumulationError(
+        f"PlanSpec.from_lengths(sample_lengths): got {n.dtype} {n.shape}; "
+        "pass a non-empty sequence of ints >= 1 (the rows' lengths)."
+      )
+    top = int(longest or n.max())
+    lows = [2**k for k in range(3, top.bit_length()) if 2**k < top]
+    step = batch_rows * options.get("replicas", 1)
+    batches = [n[i : i + step] for i in range(0, n.size, step)][:16]
+    best = None
+    for k, divs in itertools.product(range(max_shapes), range(1, 5)):
+      for low in itertools.combinations(lows, k):
+        spec = cls(low + (top,), budget, batch_rows,
+                   tuple(2**i for i in range(divs)), **options)  # fmt: skip
+        if len(spec.shapes) > max_shapes:
+          continue
+        cost = sum(planner.plan(spec, b).costs.max() for b in batches)
+        key = (cost, len(spec.shapes))
+        best = min(best or (key, spec), (key, spec), key=lambda x: x[0])
+    return best[1]
