@@ -1,18 +1,25 @@
-"""Microbatch plans against padding: real tokens per second of one step.
+"""Packing plans against what users would pick instead, in one run.
 
-A 2-layer decoder LM (width 128, 4 heads, causal L x L attention, byte
-vocabulary) takes 64-row batches of variable-length rows. The baseline pads
-every row to 512 and runs ``wa.microbatched_value_and_grad`` at K = 8 (8
-rows x 512 = a budget of 4,096 tokens per microbatch); the planned step
-plans each batch with ``weighted_accum.planning`` (budget 4,096, buckets 32
-to 512) and runs every shape into one window. Two length distributions:
-lognormal (median 60, sigma 1, clipped to [8, 512]) and the real-text
-corpus's documents (``examples/stdlib_lm``, truncated to 512). Per
-distribution, one run: paired time per batch, real tokens/s, padded / real
-tokens, plan + pack time, executables compiled over 50 batches and XLA's
-compiled memory (arguments + outputs + temporaries) of both steps. Each
-step is compiled once, for the first batch, and that executable runs every
-batch: the 50 batches share one signature (what `jax.jit` compiles for).
+A 2-layer decoder LM (widths 128 and 256, 4 heads, L x L attention masked
+causal, and by segment on packed rows; byte vocabulary) takes 64-row
+batches of variable-length rows. Methods, on the same batches, interleaved
+(each round runs every method on one batch): padding every row to 512 at
+K = 8 microbatches (``wa.microbatched_value_and_grad``); first-fit packing
+into rows of 512 (Grain's ``FirstFitPackIterDataset`` on the rows sorted
+longest first), in microbatches of 8 and of 2 packed rows, each weighted
+by its real tokens, only the filled microbatches run; the plan without
+packing (buckets 32 to 512, the default sub-shapes); and the packing plan
+(``PlanSpec.from_lengths(..., pack=True)`` on a separate sample of the
+distribution, at most 3 shapes). Lengths: lognormal (median 60, sigma 1,
+clipped to [8, 512]), the standard library's docstrings (one per row,
+bytes, cut at 512) and, at width 128, the real-text corpus's documents
+(``examples/stdlib_lm``, cut at 512). Per distribution: real tokens/s of the
+packing plan over each method (median of paired ratios), padded / real
+tokens, the fresh plan + pack time (best of 5 per batch, median), compile
+seconds (lowering and compiling), XLA's compiled memory (arguments +
+outputs + temporaries) and the bytes a batch sends to the device. Each step
+is compiled once, for the first batch; the 50 batches share one signature.
+``--calibrate`` fits ``PlanSpec.cost`` on this machine instead.
 """
 
 from __future__ import annotations
@@ -289,6 +296,7 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
   )
   return dict(
     distribution=name,
+    dim=c["dim"],
     shapes=len(spec.shapes),
     packed_shapes=[list(s) for s in pspec.shapes],
     ratios={  # real tokens/s of the packing plan over each method's
@@ -352,9 +360,9 @@ def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
 
 def _targets(r) -> list[dict]:
   """The figures of one distribution against their targets."""
-  where, x = r["distribution"], r["ratios"]
+  where, x = f"{r['distribution']}, d={r['dim']}", r["ratios"]
   best = min(x["packed, 8 rows"], x["packed, 2 rows"])
-  floor = 1.15 if where == "lognormal" else 1.0
+  floor = 1.15 if r["distribution"] == "lognormal" else 1.0
   pk, pad = "planned, packed", "padded"
   out = [
     h.target("best packing / packing plan, time per real token", 1 / best,
@@ -373,7 +381,7 @@ def _targets(r) -> list[dict]:
     h.target("signatures over 50 batches", r["distinct_signatures"], 1,
              where=where),
   ]  # fmt: skip
-  if where == "lognormal":
+  if r["distribution"] == "lognormal":
     out.append(
       h.target("padded / packing plan, time per real token", 1 / x[pad],
                1 / 4, where=where, note=f"{x[pad]:.2f}x tokens/s")
@@ -383,12 +391,16 @@ def _targets(r) -> list[dict]:
 
 def run(cfg: h.Settings) -> dict:
   c = SIZES["smoke" if cfg.smoke else "default"]
-  steps = _steps(c)
-  rows = [
-    _distribution(c, "lognormal", _lognormal, cfg, steps),
-    _distribution(c, "docstrings", _docstrings, cfg, steps),
-    _distribution(c, "real text", _real_text, cfg, steps),
-  ]
+  rows = []
+  for dim in (c["dim"],) if cfg.smoke else (128, 256):  # widths
+    w = dict(c, dim=dim)
+    steps = _steps(w)
+    rows += [
+      _distribution(w, "lognormal", _lognormal, cfg, steps),
+      _distribution(w, "docstrings", _docstrings, cfg, steps),
+    ]
+    if dim == 128 or cfg.smoke:
+      rows.append(_distribution(w, "real text", _real_text, cfg, steps))
   return dict(config=c, rows=rows, targets=sum(map(_targets, rows), []))
 
 
@@ -407,7 +419,7 @@ def markdown(result: dict) -> list[str]:
   for r in result["rows"]:
     por, c = r["padded_over_real"], r["compile_s"]
     rows.append(
-      [r["distribution"], str(r["packed_shapes"])]
+      [f"{r['distribution']}, d={r['dim']}", str(r["packed_shapes"])]
       + [f"{r['ratios'][m]:.2f}x" for m in METHODS]
       + [
         f"{c[pk]:.1f} / {c['packed, 2 rows']:.1f}",
@@ -422,7 +434,7 @@ def markdown(result: dict) -> list[str]:
 
 def figure(result: dict, path) -> bool:
   bars = [
-    (r["distribution"], f"over {m}", r["ratios"][m])
+    (f"{r['distribution']}, d={r['dim']}", f"over {m}", r["ratios"][m])
     for r in result["rows"]
     for m in METHODS
   ]
