@@ -49,7 +49,7 @@ def _not_packed(name: str) -> WeightedAccumulationError:
 
 class PackedRows(NamedTuple):
   """A microbatch as ``loss_fn`` gets it from a spec that packs: ``rows``
-  and ``mask`` as :class:`Rows`'s, with int32 ``segment_ids`` ``[rows,
+  and ``mask`` as ``Rows``'s, with int32 ``segment_ids`` ``[rows,
   length]`` (0 on padding, 1, 2, ... per segment of a row) and
   ``positions`` (each token's place in its segment, from 0)."""
 
@@ -63,7 +63,7 @@ class PackedRows(NamedTuple):
 class Packed:
   """A batch planned and packed for one spec (a pytree; the spec is static):
   what crosses to the device, each shape's microbatches sliced from it
-  there (:attr:`shapes`).
+  there (``shapes``).
 
   Attributes:
     spec: the :class:`PlanSpec` it was planned for.
@@ -98,9 +98,9 @@ class Packed:
   @functools.cached_property
   def shapes(self) -> tuple:
     """Per shape of ``spec.shapes``, the microbatches of its slots as one
-    :class:`Rows` (or :class:`PackedRows`) with leaves ``[replicas *
+    ``Rows`` (or ``PackedRows``) with leaves ``[replicas *
     capacity * rows, length, ...]`` (replica-major, then slot, then row),
-    gathered from :attr:`data` (on the device, inside the step)."""
+    gathered from ``data`` (on the device, inside the step)."""
     return _unpack(self)
 
 
@@ -226,7 +226,7 @@ def plan_batch(
   rows of a bucket's length (a row opens a new packed row of its own
   bucket's length when no open one has room; with one bucket, Grain's
   first-fit packing of the rows sorted longest first), and the packed rows
-  are planned as rows. ``loss_fn`` then gets :class:`PackedRows`: beside
+  are planned as rows. ``loss_fn`` then gets ``PackedRows``: beside
   ``rows`` and ``mask``, ``segment_ids`` (0 on padding, ``1, 2, ...`` per
   segment of a row) and ``positions`` (from 0 in each segment); mask
   attention by ``causal AND same segment``.
