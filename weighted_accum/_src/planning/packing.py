@@ -105,30 +105,30 @@ class Packed:
 
 
 def _unpack(p: Packed) -> tuple:
+  """``Packed.shapes``: each shape's rows gathered from the buffer (padding
+  zeros), the mask, and with packing the segments and their positions."""
   spec, r, width = p.spec, p.counts.shape[0], _width(p.spec)
   base = width * jnp.arange(r)[:, None]
   data = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), p.data)
-  if spec.pack:
-    marks = p.starts.reshape(-1).astype(jnp.int32)
-    at = jnp.arange(r * width)
-    segment = jnp.cumsum(marks)
-    position = at - jax.lax.cummax(jnp.where(marks > 0, at, 0))
+  if spec.pack:  # per token: segments so far, and tokens since its start
+    marks, token = p.starts.reshape(-1), jnp.arange(r * width)
+    segment = jnp.cumsum(marks.astype(jnp.int32))
+    position = token - jax.lax.cummax(jnp.where(marks > 0, token, 0))
   out, first = [], 0
   for (rows, n), cap in zip(spec.shapes, spec.capacities):
-    m = cap * rows
-    start = (p.index[:, 0, first : first + m] + base).reshape(-1)
-    fill = p.index[:, 1, first : first + m].reshape(-1)
-    first += m
+    start = (p.index[:, 0, first : first + cap * rows] + base).reshape(-1)
+    fill = p.index[:, 1, first : first + cap * rows].reshape(-1)
+    first += cap * rows
     at = jnp.minimum(start[:, None] + jnp.arange(n), r * width - 1)
     real = jnp.arange(n) < fill[:, None]
     take = lambda x, real=real, at=at: jnp.where(
       real.reshape(real.shape + (1,) * (x.ndim - 1)), x[at], 0
     )
-    rows = (jax.tree.map(take, data), real.astype(jnp.float32))
+    mb = (jax.tree.map(take, data), real.astype(jnp.float32))
     if spec.pack:
       seg = segment[at] - segment[start][:, None] + 1
-      rows += (jnp.where(real, seg, 0), jnp.where(real, position[at], 0))
-    out.append((PackedRows if spec.pack else Rows)(*rows))
+      mb += (jnp.where(real, seg, 0), jnp.where(real, position[at], 0))
+    out.append((PackedRows if spec.pack else Rows)(*mb))
   return tuple(out)
 
 
