@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The package as a user installs it: builds the sdist and, from it, the wheel
 # (python -m build), checks what each holds, installs the wheel in a fresh
-# virtual environment, then imports it and runs the demo's fast mode from a
+# virtual environment, then imports it and runs the demo from a
 # directory outside the source tree (so the installed copy is what runs).
 #
 #   bash ci/check_wheel.sh [PYTHON]   # PYTHON has `build` (the test extra);
@@ -45,5 +45,5 @@ assert "site-packages" in where.parts, f"imported from {where}, not the wheel"
 print(f"+ installed weighted_accum {wa.__version__} from the wheel: "
       f"{len(files)} files")
 PY
-"$tmp/venv/bin/python" -m weighted_accum --windows 0
+"$tmp/venv/bin/python" -m weighted_accum
 echo "+ wheel check: $((SECONDS - start))s"

@@ -23,15 +23,18 @@ def cases(draw):
     3 if overlong == "split" else 1 if overlong == "refuse" else 2
   )
   lengths = draw(st.lists(st.integers(0, longest), min_size=0, max_size=40))
-  pieces = (
-    sum(-(-n // top) for n in lengths) if overlong == "split" else len(lengths)
+  pieces = (  # rows after splitting (an empty row is one)
+    sum(max(1, -(-n // top)) for n in lengths)
+    if overlong == "split"
+    else len(lengths)
   )
+  replicas = draw(st.integers(1, 4))
   spec = planning.PlanSpec(
     buckets=buckets,
     budget=draw(st.integers(top, 4 * top)),
-    batch_rows=max(1, pieces) + draw(st.integers(0, 3)),
+    batch_rows=max(1, -(-pieces // replicas)) + draw(st.integers(0, 2)),
     row_divisors=draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)),
-    replicas=draw(st.integers(1, 4)),
+    replicas=replicas,
     overlong=overlong,
     cost=(
       1.0,

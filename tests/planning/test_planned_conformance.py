@@ -123,15 +123,7 @@ CASES = [
   ("packed_split", "jit", "float32"),
   ("packed", "shard_map", "float32"),
   ("packed", "jit_axis_name", "float32"),
-  pytest.param(
-    "packed_split",
-    "jit_axis_name_explicit",
-    "float64",
-    marks=pytest.mark.xfail(
-      reason="the planned step on Explicit meshes is fixed in step.py separately",
-      strict=False,
-    ),
-  ),
+  ("packed_split", "jit_axis_name_explicit", "float64"),
 ]
 TOL = {"float32": 2e-6, "float64": 1e-12}
 

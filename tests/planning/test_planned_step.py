@@ -200,3 +200,44 @@ def test_a_mean_past_float16_is_invalid_in_the_dtype_handed_on(grads_dtype):
   f32 = jax.jit(planning.planned_value_and_grad(loss_fn, spec, mode="sum"))
   _, ref = f32(jnp.float32(1.0), packed)
   assert bool(ref.valid) and float(ref.grads) == 2.0**17
+
+
+def test_an_empty_shape_runs_no_loss_fn():
+  """Only filled slots run ``loss_fn``: counted by a callback in it, per
+  call of the jitted step (a step that ran one all-padding slot of an
+  empty shape would count more)."""
+  calls = []
+
+  def loss_fn(p, mb):
+    rows, mask = mb
+    jax.debug.callback(lambda m: calls.append(float(m.sum())), mask)
+    return _loss_fn(p, mb)
+
+  spec = planning.PlanSpec(
+    buckets=(4, 8, 16), budget=16, row_divisors=(1, 2), batch_rows=12
+  )
+  f = jax.jit(planning.planned_value_and_grad(loss_fn, spec, mode="sum"))
+  for lengths in ([3, 2, 4, 1], [16, 16, 9], [0, 0, 7]):
+    packed = planning.plan_batch(spec, _batch(lengths), lengths)
+    assert (packed.counts == 0).any()  # some shapes are empty
+    calls.clear()
+    jax.block_until_ready(f(_params(jnp.float32), packed))
+    jax.effects_barrier()
+    assert len(calls) == int(packed.counts.sum())
+    assert all(c > 0 for c in calls) and sum(calls) == sum(lengths)
+
+
+@pytest.mark.parametrize("name", ["batch_argnames", "in_axes", "num_real"])
+def test_unknown_keywords_are_refused_naming_the_accepted_ones(name):
+  spec = planning.PlanSpec(**SMALL)
+  with pytest.raises(
+    wa.WeightedAccumulationError, match=f"{name}=.*mode, has_aux"
+  ):
+    planning.planned_value_and_grad(_loss_fn, spec, mode="sum", **{name: 0})
+  f = planning.planned_value_and_grad(_loss_fn, spec, mode="sum")
+  packed = planning.plan_batch(spec, _batch([3, 4]), [3, 4])
+  params = _params(jnp.float32)
+  with pytest.raises(wa.WeightedAccumulationError, match="loss_scale"):
+    f(params, packed, **{name: 0})
+  with pytest.raises(wa.WeightedAccumulationError, match="no keywords"):
+    f.accumulate(wa.init(params), params, packed, **{name: 0})

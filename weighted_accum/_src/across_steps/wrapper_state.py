@@ -27,9 +27,11 @@ class WeightedMultiStepsState(NamedTuple):
       (skipped ones not counted).
     gradient_step: int32, windows applied since ``init``.
     inner_opt_state: the wrapped optimizer's state.
-    acc_grads: the open window's weighted gradient SUMS (times the loss
-      scale), in the accumulator dtype; unread while ``mini_step`` is 0
-      (read the window through :attr:`accum`).
+    acc_grads: in the accumulator dtype, the open window's weighted gradient
+      SUMS (times the loss scale). Not zeroed at a close: while ``mini_step``
+      is 0 it holds an applied window's updates (``-mean`` for ``sgd(1)``)
+      if they fit its structure, shapes and dtype, else the closed window's
+      sums; read the open window through :attr:`accum`.
     skip_state: what ``should_skip_update_fn`` returned last (``()``).
     window: the open window's counters, an
       :class:`~weighted_accum.AccumState` with ``grads=None``.
@@ -62,7 +64,7 @@ class WeightedMultiStepsState(NamedTuple):
   @property
   def accum(self) -> AccumState:
     """The open window as one :class:`~weighted_accum.AccumState`."""
-    fresh = self.mini_step == 0  # the closed window's buffers, unread
+    fresh = self.mini_step == 0  # buffers left by the close: unread
     return self.window.replace(
       grads=jax.tree.map(
         lambda b: jnp.where(fresh, jnp.zeros((), b.dtype), b), self.acc_grads

@@ -12,6 +12,7 @@ import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.planning import planner
+from weighted_accum._src.planning import spec as spec_
 from weighted_accum._src.planning.planner import LENGTH
 from weighted_accum._src.planning.planner import OFFSET
 from weighted_accum._src.planning.planner import POS
@@ -181,15 +182,8 @@ def pack(spec: PlanSpec, batch: Any, lengths: np.ndarray, plan) -> Packed:
   at = (np.cumsum([0] + sizes[:-1])[p[:, SHAPE]] + p[:, SLOT]
         * rows[p[:, SHAPE]] + p[:, POS] + p[:, REPLICA] * sum(sizes))  # fmt: skip
   fill = np.bincount(at, p[:, LENGTH], reps * sum(sizes)).astype(np.int64)
-  fill = fill.reshape(reps, -1)
-  start = np.cumsum(fill, 1) - fill
-  if fill.sum(1).max(initial=0) > width:
-    r = int(np.argmax(fill.sum(1)))
-    raise WeightedAccumulationError(
-      f"plan_batch: replica {r} holds {fill[r].sum()} tokens, more than "
-      f"PlanSpec(batch_rows={spec.batch_rows}) x the longest bucket "
-      f"({width}); raise batch_rows."
-    )
+  fill = fill.reshape(reps, -1)  # no replica has more than batch_rows rows:
+  start = np.cumsum(fill, 1) - fill  # its tokens fit its part of the buffer
   n = p[:, LENGTH]
   first = p[:, REPLICA] * width + start.reshape(-1)[at] + p[:, OFFSET]
   token = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
@@ -249,8 +243,7 @@ def plan_batch(
   Raises:
     WeightedAccumulationError: lengths not one int per row of every leaf, a
       row longer than the largest bucket (``overlong="refuse"``), more rows
-      than the spec's ``batch_rows`` (or a replica's tokens more than
-      ``batch_rows x`` the longest bucket).
+      than the spec's ``batch_rows``.
 
   Example:
     >>> import numpy as np
@@ -263,5 +256,6 @@ def plan_batch(
     >>> packed.shapes[0][0]["tokens"][:2].tolist()  # rows 1 and 2, padded
     [[8, 9, 10, 0], [16, 17, 0, 0]]
   """
+  seed = spec_.seed(seed, f"plan_batch(seed={seed!r})")
   lengths = _lengths(spec, lengths)
   return pack(spec, batch, lengths, planner.plan(spec, lengths, seed))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.planning import spec as spec_
 from weighted_accum._src.planning.packing import Packed
 from weighted_accum._src.planning.packing import plan_batch
 from weighted_accum._src.planning.spec import PlanSpec
@@ -41,7 +42,8 @@ class PlanBatches:
       raise WeightedAccumulationError(
         f"PlanBatches(spec={spec!r}): pass a PlanSpec."
       )
-    self.spec, self.lengths, self.seed = spec, lengths, int(seed)
+    self.spec, self.lengths = spec, lengths
+    self.seed = spec_.seed(seed, f"PlanBatches(seed={seed!r})")
 
   def __call__(self, batch: Any) -> Packed:
     if not isinstance(batch, dict) or self.lengths not in batch:

@@ -123,18 +123,29 @@ def _load(spec: PlanSpec, counts: tuple[int, ...]) -> float:
 
 
 def _rebalance(spec: PlanSpec, counts: list[list[int]]) -> list[list[int]]:
-  """Replicas' rows per bucket, a row moved or two swapped between the
-  costliest replica and another while that lowers the replicas' costs
-  (sorted, costliest first, compared lexicographically)."""
+  """Replicas' rows per bucket: first at most ``batch_rows`` each (rows of
+  the shortest bucket moved from the replica with the most rows to the
+  cheapest with room), then a row moved (to a replica with room) or two
+  swapped between the costliest replica and another while that lowers the
+  replicas' costs (sorted, costliest first, compared lexicographically)."""
   load = lambda c: _load(spec, tuple(c))
   loads = [load(c) for c in counts]
-  nb = len(spec.buckets)
+  nb, room = len(spec.buckets), lambda r: spec.batch_rows - sum(counts[r])
+  while room(h := min(range(len(counts)), key=room)) < 0:
+    o = min(
+      (r for r in range(len(counts)) if room(r) > 0), key=loads.__getitem__
+    )
+    b = next(b for b in range(nb) if counts[h][b])
+    counts[h][b], counts[o][b] = counts[h][b] - 1, counts[o][b] + 1
+    loads[h], loads[o] = load(counts[h]), load(counts[o])
   for _ in range(4 * sum(map(sum, counts))):
     best, key = None, sorted(loads, reverse=True)
     h = loads.index(key[0])
     for o in (o for o in range(len(counts)) if o != h):
       for b, c in itertools.product(range(nb), range(-1, nb)):
         if not counts[h][b] or b == c or (c >= 0 and not counts[o][c]):
+          continue
+        if c < 0 and not room(o):  # a move: the other replica takes a row
           continue
         a, z = list(counts[h]), list(counts[o])
         a[b], z[b] = a[b] - 1, z[b] + 1
@@ -171,6 +182,14 @@ def _first_fit(spec: PlanSpec, n: np.ndarray) -> tuple[np.ndarray, ...]:
 def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
   """The plan of one batch of rows of ``lengths`` tokens (see module)."""
   pieces = _pieces(spec, lengths)
+  k = spec.replicas
+  rows = len(pieces) + int(np.sum(lengths == 0))  # an empty row counts
+  if rows > k * spec.batch_rows:
+    raise WeightedAccumulationError(
+      f"plan_batch: the batch has {rows} rows (after overlong='split'), "
+      f"more than PlanSpec(replicas={k}, batch_rows={spec.batch_rows}) "
+      f"allows: build it with batch_rows={-(-rows // k)}, or pass fewer rows."
+    )
   order = np.random.default_rng(seed).permutation(len(pieces))
   order = order[np.argsort(-pieces[order, LENGTH], kind="stable")]
   pieces = pieces[order]
@@ -181,7 +200,6 @@ def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
   n = len(units)
   bucket = np.searchsorted(spec.buckets, units).tolist()
   per_row = [spec.shape_cost(1, spec.buckets[b]) - spec.cost[2] for b in bucket]
-  k = spec.replicas
   options, shapes = _options(spec), spec.shapes
   parts = [list(range(n))]
   if k > 1:
@@ -213,7 +231,7 @@ def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
     r, s = np.argwhere(full)[0]
     raise WeightedAccumulationError(
       f"plan_batch: replica {r} needs {counts[r, s]} microbatches of shape "
-      f"{shapes[s]}, more than its capacity {spec.capacities[s]}: the batch "
-      f"has more rows than PlanSpec(batch_rows={spec.batch_rows}) allows."
+      f"{shapes[s]}, more than its capacity {spec.capacities[s]}: the "
+      "planner's own fault; report it with the lengths."
     )
   return Plan(out, counts, costs)

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,17 @@ def _ints(value, what: str) -> tuple[int, ...]:
   return got
 
 
+def seed(value, what: str) -> int:
+  """A plan's seed: an int >= 0, or an error naming ``what``."""
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    value = None
+  if value is None or value < 0:
+    raise WeightedAccumulationError(
+      f"{what}: the seed breaks ties between rows of equal length: an int >= 0."
+    )
+  return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanSpec:
   """The static part of a microbatch plan: every shape one step compiles.
@@ -46,8 +58,9 @@ class PlanSpec:
       at least its length).
     budget: the most tokens (rows x length) of one microbatch; at least the
       largest bucket.
-    batch_rows: the most rows (after ``overlong="split"``) of one batch on
-      one replica.
+    batch_rows: the most rows (after ``overlong="split"``) of one batch
+      per replica: a batch of up to ``replicas * batch_rows`` rows always
+      fits (no replica gets more than ``batch_rows``); more is refused.
     row_divisors: the sub-shapes: for each ``d``, a shape of
       ``(budget // L) // d`` rows per bucket (``1`` is the full shape).
     replicas: data-parallel replicas the batch's work is balanced over.

@@ -5,6 +5,9 @@ counted by a traced value), closed once."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import functools
+import inspect
+import math
 from typing import Any
 
 import jax
@@ -20,6 +23,7 @@ from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad,
 )
+from weighted_accum._src.parallel import spmd_layout
 from weighted_accum._src.parallel.spmd_layout import DataParallel
 from weighted_accum._src.planning.packing import Packed
 from weighted_accum._src.planning.spec import PlanSpec
@@ -40,6 +44,30 @@ def _packed(spec: PlanSpec, args: tuple, pos: int) -> Packed:
       f"function was built for {spec}. Plan it with this function's spec."
     )
   return got
+
+
+def _check_replicas(spec: PlanSpec, axes: tuple, n: int) -> None:
+  if n != spec.replicas:
+    raise WeightedAccumulationError(
+      f"{_WHAT}: the batch was planned for {spec.replicas} replicas, "
+      f"but {axes} has {n}: build the PlanSpec with replicas={n}."
+    )
+
+
+def _local_counts(spec: PlanSpec, packed: Packed, axes: Any) -> Any:
+  """This replica's counts ``[1, shapes]``, or an error where the packed
+  batch was not split by replica (each replica would run every replica's
+  slots)."""
+  rows = [c * r for (r, _), c in zip(spec.shapes, spec.capacities)]
+  got = [{jnp.shape(x)[0] for x in jax.tree.leaves(s)} for s in packed.shapes]
+  if jnp.shape(packed.counts) != (1, len(rows)) or got != [{n} for n in rows]:
+    how = "split by replica (in_specs P(axes))" if axes else "whole"
+    raise WeightedAccumulationError(
+      f"{_WHAT}(axis_name={axes!r}): this replica sees counts of shape "
+      f"{jnp.shape(packed.counts)} and {sum(map(max, got))} rows, not "
+      f"(1, {len(rows)}) and {sum(rows)}: pass the packed batch {how}."
+    )
+  return packed.counts
 
 
 class _Planned:
@@ -81,16 +109,9 @@ class _Planned:
   def add(self, state, args: tuple) -> tuple:
     """Every shape's filled slots into ``state``: ``(loss sum, weight,
     aux per shape, new state)``."""
-    counts = args[self.pos].counts  # [1, shapes]: this replica's
-    if (
-      self.axes is not None
-      and jax.lax.axis_size(self.axes) != self.spec.replicas
-    ):
-      n = jax.lax.axis_size(self.axes)
-      raise WeightedAccumulationError(
-        f"{_WHAT}: the batch was planned for {self.spec.replicas} replicas, "
-        f"but {self.axes} has {n}: build the PlanSpec with replicas={n}."
-      )
+    if self.axes is not None:
+      _check_replicas(self.spec, self.axes, jax.lax.axis_size(self.axes))
+    counts = _local_counts(self.spec, args[self.pos], self.axes)
     total, weight, aux, args = 0.0, 0.0, [], list(args)
     for s, inner in enumerate(self.inner):
       n = counts[0, s]
@@ -158,9 +179,19 @@ def _sharded(planned: _Planned, fn: Callable, args: tuple, specs_out) -> Any:
       "needs the mesh: call it under jax.set_mesh(mesh), or inside "
       "jax.shard_map over those axes."
     )
+  _check_replicas(
+    planned.spec, planned.axes, math.prod(mesh.shape[a] for a in planned.axes)
+  )
   data = P(planned.axes)
   specs = [P()] * len(args)
   specs[planned.pos] = jax.tree.map(lambda _: data, args[planned.pos])
+  if spmd_layout.explicit(mesh, planned.axes, what=_WHAT):
+    # Explicit axes: the packed batch (NumPy, as plan_batch returns it, or
+    # placed otherwise) split by replica, as an Auto mesh splits it.
+    args = list(args)
+    args[planned.pos] = jax.tree.map(
+      lambda x: jax.reshard(x, data), args[planned.pos]
+    )
   return jax.shard_map(
     fn,
     mesh=mesh,
@@ -170,6 +201,30 @@ def _sharded(planned: _Planned, fn: Callable, args: tuple, specs_out) -> Any:
   )(*args)
 
 
+def _known_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` refusing keywords it does not take (0.x names included: the
+  in-step function's ``batch_argnames``, ``in_axes``), naming those it
+  takes."""
+  names = list(inspect.signature(fn).parameters)
+
+  @functools.wraps(fn)
+  def checked(*args, **kwargs):
+    _refuse_unknown(fn.__name__, kwargs, names)
+    return fn(*args, **kwargs)
+
+  return checked
+
+
+def _refuse_unknown(what: str, kwargs: dict, names: list) -> None:
+  unknown = sorted(set(kwargs) - set(names))
+  if unknown:
+    raise WeightedAccumulationError(
+      f"{what}({unknown[0]}=...): no such argument; it takes "
+      f"{', '.join(names) or 'no keywords'}."
+    )
+
+
+@_known_keywords
 def planned_value_and_grad(
   loss_fn: Callable[..., Any],
   spec: PlanSpec,
@@ -211,9 +266,11 @@ def planned_value_and_grad(
     loss_scale: the window's loss scale (``f``'s ``loss_scale=`` overrides).
     axis_name: the data axes of ``spec.replicas`` replicas: ``f`` called
       inside ``jax.shard_map`` over them takes the whole packed batch split
-      by replica, or under plain ``jit`` with ``jax.set_mesh`` runs its own
-      ``shard_map``; the window is reduced once. The params are replicated:
-      for FSDP layouts (``DataParallel``), use the in-step function.
+      by replica, or under plain ``jit`` with ``jax.set_mesh`` (an Auto or
+      Explicit mesh) runs its own ``shard_map`` on the packed batch as
+      ``plan_batch`` returns it; the window is reduced once. The params are
+      replicated: for FSDP layouts (``DataParallel``), use the in-step
+      function.
 
   Returns:
     ``f(*args, loss_scale=None)`` returning ``(loss, out)`` as the in-step
@@ -222,8 +279,10 @@ def planned_value_and_grad(
     ``((loss_sum, weight), state)`` (nested as the in-step ``accumulate``).
 
   Raises:
-    WeightedAccumulationError: a batch not packed for ``spec``, or what the
-      in-step function refuses.
+    WeightedAccumulationError: a batch not packed for ``spec``, data axes
+      of another size than ``spec.replicas``, a packed batch not split by
+      replica, a keyword it does not take, or what the in-step function
+      refuses.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np
@@ -268,7 +327,8 @@ def _functions(planned: _Planned, loss_scale: Any) -> Callable[..., Any]:
     planned.axes is not None and not tree_utils.bound(planned.axes)
   )
 
-  def f(*args, loss_scale=loss_scale):
+  def f(*args, loss_scale=loss_scale, **kwargs):
+    _refuse_unknown(f"{_WHAT}(...)", kwargs, ["loss_scale"])
     _packed(planned.spec, args, planned.pos)
     if not unbound():
       return planned.step(args, loss_scale)
@@ -281,7 +341,8 @@ def _functions(planned: _Planned, loss_scale: Any) -> Callable[..., Any]:
     out = ((P(), aux), P()) if planned.has_aux else (P(), P())
     return _sharded(planned, lambda *a: planned.step(a, loss_scale), args, out)
 
-  def accumulate(state, *args):
+  def accumulate(state, *args, **kwargs):
+    _refuse_unknown(f"{_WHAT}(...).accumulate", kwargs, [])
     _packed(planned.spec, args, planned.pos)
     if unbound():
       raise WeightedAccumulationError(
