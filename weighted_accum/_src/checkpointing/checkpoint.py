@@ -1,7 +1,6 @@
 """Orbax checkpointing of windows (``docs/checkpointing.md``): each
-``AccumState`` saved as ``{'grads', 'counters'}`` with its work dtype and
-placement in the item's options, restored through ``from_buffers``' check.
-"""
+``AccumState`` saved as ``{'grads', 'counters'}``, its work dtype and
+placement in the item's options; restored through ``from_buffers``' check."""
 
 from __future__ import annotations
 
@@ -30,22 +29,14 @@ from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.parallel import replicas
 from weighted_accum._src.parallel import spmd_layout
 
-__all__ = [
-  "FORMAT_VERSION",
-  "AccumCheckpointHandler",
-  "AccumRestore",
-  "AccumSave",
-  "abstract_state",
-]
-
 #: Key of this library's options in the item's Orbax custom metadata.
 OPTIONS_KEY = "weighted_accum"
-#: The format version written. Version 2 adds each state's placement (a
-#: version-1 item holds global windows only); the counters are
-#: ``AccumState``'s counter fields (``base.COUNTERS``).
+#: The format written: version 2 adds each state's placement (version 1
+#: holds global windows only); the counters are ``base.COUNTERS``.
 FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = (1, FORMAT_VERSION)
 GRADS, COUNTERS = "grads", "counters"
+SCALARS = (bool, int, float, complex)
 
 
 def abstract_state(
@@ -79,8 +70,9 @@ def abstract_state(
     >>> t.grads['w'].shape, t.grads['w'].dtype, t.dtype
     ((2, 3), dtype(bfloat16), dtype(bfloat16))
   """
-  init = functools.partial(accumulation.init, dtype=dtype)
-  shapes = jax.eval_shape(init, params)
+  shapes = jax.eval_shape(
+    functools.partial(accumulation.init, dtype=dtype), params
+  )
   sds = jax.ShapeDtypeStruct
   if axis_name is None:
     on = lambda x, p: sds(
@@ -89,11 +81,11 @@ def abstract_state(
     return shapes.replace(grads=jax.tree.map(on, shapes.grads, params))
   what = "abstract_state(axis_name=...)"
   axes = validation.axis_names(axis_name, what=what)
-  meshes = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
-  meshes = [s.mesh for s in meshes if isinstance(s, NamedSharding)]
+  found = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
+  found = [s.mesh for s in found if isinstance(s, NamedSharding)]
   meshes = [
     m
-    for m in meshes + [jax.sharding.get_mesh()]  # then set_mesh's
+    for m in found + [jax.sharding.get_mesh()]  # then set_mesh's
     if isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)
   ]
   if not meshes:
@@ -105,19 +97,19 @@ def abstract_state(
   on = lambda shape, x, spec: sds(
     shape, x.dtype, sharding=NamedSharding(mesh, spec)
   )
-  stacked = lambda x, p: on((n, *x.shape), x, replicas.stacked_spec(p, axes))
-  row = P(spmd_layout.entry(axes))
+  row = lambda k, x: (
+    on((n,), x, P(spmd_layout.entry(axes)))
+    if k in base.PER_REPLICA
+    else on((), x, P())
+  )
   return shapes.replace(
-    grads=jax.tree.map(stacked, shapes.grads, params),
+    grads=jax.tree.map(
+      lambda x, p: on((n, *x.shape), x, replicas.stacked_spec(p, axes)),
+      shapes.grads,
+      params,
+    ),
     placement=base.Placement(base.STACKED, axes),
-    **{
-      name: on(
-        (n,) if name in base.PER_REPLICA else (),
-        x,
-        row if name in base.PER_REPLICA else P(),
-      )
-      for name, x in shapes.counters.items()
-    },
+    **{k: row(k, x) for k, x in shapes.counters.items()},
   )
 
 
@@ -213,8 +205,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     if not isinstance(args, AccumSave):
       raise WeightedAccumulationError(
-        f"AccumCheckpointHandler.async_save: expected AccumSave(state), got "
-        f"{type(args).__name__}."
+        f"async_save: expected AccumSave(state), got {type(args).__name__}."
       )
     if any(_tree.is_traced(x) for x in jax.tree.leaves(args.state)):
       raise WeightedAccumulationError(
@@ -231,14 +222,14 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       _check_restorable(s, shown)
       states[_key(key)] = {
         "dtype": jnp.dtype(s.dtype).name,
-        "placement": _placement_options(s),
+        "placement": _placement(s),
       }
     options = {"format_version": FORMAT_VERSION, "states": states}
+    saveable = _split(args.state, _host_counters)
     return await self._impl.async_save(
       directory,
       args=ocp.args.PyTreeSave(
-        _split(args.state, _host_counters),
-        custom_metadata={OPTIONS_KEY: options},
+        saveable, custom_metadata={OPTIONS_KEY: options}
       ),
     )
 
@@ -287,13 +278,13 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise WeightedAccumulationError(
         f"{where}: pass a template: the current state or abstract_state."
       )
-    directory = epath.Path(directory)
-    if not directory.is_dir():
+    path = epath.Path(directory)
+    if not path.is_dir():
       raise WeightedAccumulationError(
         f"{where}: the item directory does not exist."
       )
     try:
-      meta = self._impl.metadata(directory)
+      meta = self._impl.metadata(path)
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise _damaged(where, "metadata", e) from e
     want = _accum_nodes(template)
@@ -301,31 +292,29 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
     target = _split(
       template, lambda s: {k: _unwrap(v) for k, v in s.counters.items()}
     )
-    restore_args = _restore_args(target, meta.tree, want, where)
+    item = ocp.args.PyTreeRestore(
+      item=target, restore_args=_restore_args(target, meta.tree, want, where)
+    )
     try:
-      restored = self._impl.restore(
-        directory,
-        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args),
-      )
+      restored = self._impl.restore(path, args=item)
     except Exception as e:  # pylint: disable=broad-exception-caught
       try:  # damaged files, or (they read back untemplated) another template
-        self._impl.restore(directory)
+        self._impl.restore(path)
       except Exception as untemplated:  # pylint: disable=broad-exception-caught
         raise _damaged(where, "arrays", e) from untemplated
       raise WeightedAccumulationError(
         f"{where}: the files are intact but do not fit the template ({e!r}): "
         "build it like the saving run's state (same optimizer and containers)."
       ) from e
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-      template, is_leaf=_is_accum
-    )
-    out = treedef.unflatten(
-      [
+    out = jax.tree_util.tree_map_with_path(
+      lambda p, t, r: (
         _restored(t, r, f"{where}: AccumState at {_tree.path_str(p)}")
         if _is_accum(t)
         else _like(t, r)
-        for (p, t), r in zip(flat, treedef.flatten_up_to(restored))
-      ]
+      ),
+      template,
+      restored,
+      is_leaf=_is_accum,
     )
     loss_scale.check_restored(out, what=where)  # scale and tracker
     return out
@@ -337,9 +326,6 @@ ocp.args.register_with_handler(AccumCheckpointHandler, for_restore=True)(
 )
 
 
-# -------------------------------------------------- the tree's windows --
-
-
 def _is_accum(x: Any) -> bool:
   return isinstance(x, AccumState)
 
@@ -349,13 +335,8 @@ def _key(path: tuple[str, ...]) -> str:
   return "/".join(str(k).replace("~", "~0").replace("/", "~1") for k in path)
 
 
-def _shown_key(k: str) -> str:
-  """The readable path of a :func:`_key`."""
-  parts = k.split("/") if k else []
-  return (
-    "".join(f"[{p.replace('~1', '/').replace('~0', '~')!r}]" for p in parts)
-    or "<root>"
-  )
+def _show(path: tuple[str, ...]) -> str:
+  return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
 def _unwrap(x: Any) -> Any:
@@ -376,9 +357,7 @@ def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_accum)
   keys = ocp.tree.to_flat_dict(tree, is_leaf=_is_accum)
   return {
-    k: (_tree.path_str(p), node)
-    for (p, node), k in zip(flat, keys)
-    if _is_accum(node)
+    k: (_tree.path_str(p), x) for (p, x), k in zip(flat, keys) if _is_accum(x)
   }
 
 
@@ -400,7 +379,7 @@ def _host_counters(s: AccumState) -> dict[str, Any]:
   return out
 
 
-def _placement_options(s: AccumState) -> dict[str, Any]:
+def _placement(s: AccumState) -> dict[str, Any]:
   """What the options say of ``s``'s placement (JSON)."""
   pl = s.placement
   out = {"kind": pl.kind, "axes": list(pl.axes), "reduce": pl.reduce}
@@ -409,22 +388,17 @@ def _placement_options(s: AccumState) -> dict[str, Any]:
   return out
 
 
-def _describe(options: dict[str, Any]) -> str:
-  kind, axes = options.get("kind"), tuple(options.get("axes", ()))
-  if kind == base.STACKED:
-    return f"a stacked window of {options.get('replicas')} replicas over {axes}"
-  if kind == base.REPLICA:
-    return (
-      f"a per-replica window (reduce={options.get('reduce')!r}) over {axes}"
-    )
+def _describe(o: dict[str, Any]) -> str:
+  axes = tuple(o.get("axes", ()))
+  if o.get("kind") == base.STACKED:
+    return f"a stacked window of {o.get('replicas')} replicas over {axes}"
+  if o.get("kind") == base.REPLICA:
+    return f"a per-replica window (reduce={o.get('reduce')!r}) over {axes}"
   return "a global window"
 
 
-# --------------------------------------------------- the saved options --
-
-
 def _saved_states(custom: Any, where: str) -> dict[str, Any]:
-  """The options' ``states`` (format version and shape checked)."""
+  """The options' ``states``, their format version checked."""
   options = custom.get(OPTIONS_KEY) if isinstance(custom, dict) else None
   if not isinstance(options, dict):
     raise WeightedAccumulationError(
@@ -451,66 +425,63 @@ def _saved_states(custom: Any, where: str) -> dict[str, Any]:
 def _check_states(want: dict, saved: dict[str, Any], where: str) -> None:
   """The saved windows are the template's: paths, dtypes, placements."""
   keys = {_key(p): shown_s for p, shown_s in want.items()}
-  for key in [k for k in keys if k not in saved] + sorted(
-    set(saved) - set(keys)
-  ):
-    shown, has = (
-      (keys[key][0], "template")
-      if key in keys
-      else (_shown_key(key), "checkpoint")
+  only = [(keys[k][0], "template") for k in keys if k not in saved] + [
+    (
+      _show(
+        tuple(p.replace("~1", "/").replace("~0", "~") for p in k.split("/"))
+        if k
+        else ()
+      ),
+      "checkpoint",
     )
+    for k in sorted(set(saved) - set(keys))
+  ]
+  for shown, has in only[:1]:
     raise WeightedAccumulationError(
       f"{where}: only the {has} has an AccumState at {shown}; restore into "
       "a template of the saved structure."
     )
   for key, (shown, s) in keys.items():
-    saved_dtype = validation.work_dtype(
-      saved[key]["dtype"],
-      what=f"{where}: option 'dtype' of the AccumState at {shown}",
+    here = f"{where}: the AccumState at {shown}"
+    dtype = validation.work_dtype(
+      saved[key]["dtype"], what=f"{here}, option 'dtype'"
     )
-    if saved_dtype != jnp.dtype(s.dtype):
+    if dtype != jnp.dtype(s.dtype):
       raise WeightedAccumulationError(
-        f"{where}: the AccumState at {shown} was saved in {saved_dtype}, "
-        f"the template's work dtype is {jnp.dtype(s.dtype)}: use "
-        f"abstract_state(params, dtype=jnp.{saved_dtype})."
+        f"{here} was saved in {dtype}, the template's work dtype is "
+        f"{jnp.dtype(s.dtype)}: use abstract_state(params, dtype=jnp.{dtype})."
       )
-    placement = saved[key].get("placement")
-    if placement is None:  # format version 1: global windows only
-      placement = {"kind": base.GLOBAL, "axes": [], "reduce": "window"}
-    if (
-      not isinstance(placement, dict) or placement.get("kind") not in base.KINDS
-    ):
+    got = saved[key].get("placement")
+    if got is None:  # format version 1: global windows only
+      got = {"kind": base.GLOBAL, "axes": [], "reduce": "window"}
+    if not isinstance(got, dict) or got.get("kind") not in base.KINDS:
       raise WeightedAccumulationError(
-        f"{where}: option 'placement' of the AccumState at {shown} is "
-        f"malformed ({placement!r})."
+        f"{here}: option 'placement' is malformed ({got!r})."
       )
-    t = _placement_options(jax.tree.map(_unwrap, s))
-    if placement["kind"] != t["kind"] or (
-      placement.get("replicas") != t.get("replicas")
+    t = _placement(s)
+    if got["kind"] != t["kind"] or (
+      got.get("replicas") != t.get("replicas")
       if t["kind"] == base.STACKED
-      else t["kind"] != base.GLOBAL and placement.get("reduce") != t["reduce"]
+      else t["kind"] != base.GLOBAL and got.get("reduce") != t["reduce"]
     ):
       raise WeightedAccumulationError(
-        f"{where}: the checkpoint holds {_describe(placement)} at {shown}, the "
+        f"{where}: the checkpoint holds {_describe(got)} at {shown}, the "
         f"template is {_describe(t)}: restore into a template of that kind "
         "(abstract_state(params, dtype, axis_name=...)), or close the window "
         "before saving."
       )
 
 
-# ------------------------------------------------------------ the leaves --
-
-
 def _restore_args(target: Any, saved: Any, want: dict, where: str) -> Any:
   """Orbax's restore args of every leaf, each checked against the saved one."""
-  flat_target = ocp.tree.to_flat_dict(target)
+  flat_target, flat_meta = (
+    ocp.tree.to_flat_dict(target),
+    ocp.tree.to_flat_dict(saved),
+  )
   shown = dict(zip(flat_target, _tree.leaf_paths(target)))
-  flat_meta = ocp.tree.to_flat_dict(saved)
   missing, extra = _tree.diff_paths(list(flat_target), list(flat_meta))
   if missing or extra:
-    leaf = (
-      shown[missing[0]] if missing else "".join(f"[{k!r}]" for k in extra[0])
-    )
+    leaf = shown[missing[0]] if missing else _show(extra[0])
     raise WeightedAccumulationError(
       f"{where}: leaf {leaf} is {'missing from' if missing else 'extra in'} "
       f"the checkpoint ({len(missing)} missing, {len(extra)} extra): "
@@ -531,10 +502,10 @@ def _role(k: tuple[str, ...], leaf: Any, want: dict) -> tuple[str, np.dtype]:
       if k[n] == GRADS:
         return "buffer", np.dtype(s.dtype)
       return "counter", base.dtype_of(k[n + 1], s.dtype)
-  if isinstance(leaf, (bool, int, float, complex)):
-    # Python scalars: Orbax stores int as int64, float as float64.
-    return "other", np.dtype(type(leaf))
-  return "other", np.dtype(jnp.result_type(leaf))
+  # Python scalars: Orbax stores int as int64, float as float64.
+  return "other", np.dtype(
+    type(leaf) if isinstance(leaf, SCALARS) else jnp.result_type(leaf)
+  )
 
 
 def _restore_arg(k: tuple, leaf: Any, m: Any, want: dict, here: str) -> Any:
@@ -556,7 +527,7 @@ def _restore_arg(k: tuple, leaf: Any, m: Any, want: dict, here: str) -> Any:
       f"{here} was saved as {np.dtype(m.dtype)}, the template has {expect}: "
       "use a template of the saved dtype."
     )
-  if isinstance(leaf, (bool, int, float, complex)):
+  if isinstance(leaf, SCALARS):
     return ocp.RestoreArgs(restore_type=type(leaf))
   if (
     role == "counter"
@@ -588,20 +559,15 @@ def _uncommitted(x: Any) -> bool:
   return isinstance(x, jax.Array) and not x.committed
 
 
-def _like(template_leaf: Any, value: Any) -> Any:
+def _like(t: Any, value: Any) -> Any:
   """A restored leaf of the template leaf's type (and placement)."""
-  if _uncommitted(template_leaf):
+  if _uncommitted(t):
     return jnp.asarray(value)
-  if isinstance(template_leaf, (bool, int, float, complex)) and not isinstance(
-    value, type(template_leaf)
-  ):
-    return type(template_leaf)(np.asarray(value).item())
-  if isinstance(template_leaf, np.generic):
-    return np.asarray(value, template_leaf.dtype)[()]
+  if isinstance(t, SCALARS) and not isinstance(value, type(t)):
+    return type(t)(np.asarray(value).item())
+  if isinstance(t, np.generic):
+    return np.asarray(value, t.dtype)[()]
   return value
-
-
-# ------------------------------------------------------- a saved window --
 
 
 def _check_restorable(s: AccumState, shown: str) -> None:
@@ -611,12 +577,12 @@ def _check_restorable(s: AccumState, shown: str) -> None:
 
 
 def _checked(t: AccumState, r: dict[str, Any], here: str) -> dict[str, Any]:
-  """The saved counters of a window like ``t``, checked by ``from_buffers``'
-  check (a stacked window's replica by replica), in their stored dtypes."""
+  """The counters of a window saved like ``t``, checked by ``from_buffers``'
+  check (a stacked window's replica by replica), as arrays."""
   named, saved = _tree.flat(r[GRADS]), r[COUNTERS]
   validation.work_dtype(t.dtype, what=here)
   validation.one_device_set([("grads", r[GRADS])], what=here)
-  if not _is_stacked(t):
+  if t.placement.kind != base.STACKED:
     c = accumulation.check_restored(
       saved, named, t.dtype, what=f"{here}, counters"
     )
@@ -633,46 +599,34 @@ def _checked(t: AccumState, r: dict[str, Any], here: str) -> dict[str, Any]:
     )
     for i in range(int(np.shape(saved["weight_hi"])[0]))
   ]
-  stacked = {
-    k: np.stack([row[k] for row in rows])
-    if k in base.PER_REPLICA
-    else rows[0][k]
-    for k in base.NAMES
-  }
-  return base.initial(work_dtype=t.dtype, **stacked)
+  return base.initial(
+    work_dtype=t.dtype,
+    **{k: np.stack([row[k] for row in rows]) for k in base.PER_REPLICA},
+    **{k: v for k, v in rows[0].items() if k not in base.PER_REPLICA},
+  )
 
 
 def _restored(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
   """The window saved as ``r``, checked, placed like the template ``t``."""
-  grads = jax.tree.map(
-    lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, r[GRADS]
-  )
+  asarray = lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+  grads = jax.tree.map(asarray, r[GRADS])
+  stacked = t.placement.kind == base.STACKED
+  first = getattr(next(iter(jax.tree.leaves(grads)), None), "sharding", None)
   placed = {}
   for name, value in _checked(t, dict(r, grads=grads), here).items():
     like = _unwrap(getattr(t, name))
     sharding = getattr(like, "sharding", None)
-    if sharding is None or (_uncommitted(like) and not _is_stacked(t)):
-      sharding = _beside(grads, np.ndim(value), _is_stacked(t))
+    if not stacked and (sharding is None or _uncommitted(like)):
+      sharding = _tree.replicated_sharding(grads)  # as from_buffers commits
+    elif sharding is None and isinstance(first, NamedSharding):
+      sharding = NamedSharding(
+        first.mesh, P(first.spec[0]) if np.ndim(value) else P()
+      )
     value = value if sharding is None else jax.device_put(value, sharding)
     placed[name] = _rewrap(getattr(t, name), value)
   return AccumState(
     grads=grads, dtype=jnp.dtype(t.dtype), placement=t.placement, **placed
   )
-
-
-def _is_stacked(t: AccumState) -> bool:
-  return t.placement.kind == base.STACKED
-
-
-def _beside(grads: Any, ndim: int, stacked: bool) -> Any:
-  """A counter's sharding where the template has none: as ``from_buffers``
-  commits counters, or a stacked window's on its buffers' mesh."""
-  if not stacked:
-    return _tree.replicated_sharding(grads)
-  s = getattr(next(iter(jax.tree.leaves(grads)), None), "sharding", None)
-  if isinstance(s, NamedSharding):
-    return NamedSharding(s.mesh, P(s.spec[0]) if ndim else P())
-  return None
 
 
 def _damaged(where: str, what: str, e: Exception) -> WeightedAccumulationError:
