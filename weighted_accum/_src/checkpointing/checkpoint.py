@@ -37,6 +37,7 @@ FORMAT_VERSION = 2
 SUPPORTED_FORMAT_VERSIONS = (1, FORMAT_VERSION)
 GRADS, COUNTERS = "grads", "counters"
 SCALARS = (bool, int, float, complex)
+_unwrap = _tree.unwrap_variables
 
 
 def abstract_state(
@@ -73,43 +74,35 @@ def abstract_state(
   shapes = jax.eval_shape(
     functools.partial(accumulation.init, dtype=dtype), params
   )
-  sds = jax.ShapeDtypeStruct
   if axis_name is None:
-    on = lambda x, p: sds(
-      x.shape, x.dtype, sharding=getattr(p, "sharding", None)
-    )
+    on = lambda x, p: x.update(sharding=getattr(p, "sharding", None))
     return shapes.replace(grads=jax.tree.map(on, shapes.grads, params))
   what = "abstract_state(axis_name=...)"
   axes = validation.axis_names(axis_name, what=what)
   found = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
   found = [s.mesh for s in found if isinstance(s, NamedSharding)]
-  meshes = [
-    m
-    for m in found + [jax.sharding.get_mesh()]  # then set_mesh's
-    if isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)
-  ]
-  if not meshes:
+  found += [jax.sharding.get_mesh()]  # then set_mesh's
+  fits = lambda m: (
+    isinstance(m, jax.sharding.Mesh) and set(axes) <= set(m.axis_names)
+  )
+  mesh = next(filter(fits, found), None)
+  if mesh is None:
     raise WeightedAccumulationError(
       f"{what}: no param is on a mesh with the axes {axes} and none is set "
       "(jax.set_mesh): pass params with their NamedShardings."
     )
-  mesh, n = meshes[0], spmd_layout.size(meshes[0], axes)
-  on = lambda shape, x, spec: sds(
-    shape, x.dtype, sharding=NamedSharding(mesh, spec)
+  n, row = spmd_layout.size(mesh, axes), P(spmd_layout.entry(axes))
+  on = lambda x, shape, spec: x.update(
+    shape=shape, sharding=NamedSharding(mesh, spec)
   )
-  row = lambda k, x: (
-    on((n,), x, P(spmd_layout.entry(axes)))
-    if k in base.PER_REPLICA
-    else on((), x, P())
-  )
+  stacked = lambda x, p: on(x, (n, *x.shape), replicas.stacked_spec(p, axes))
   return shapes.replace(
-    grads=jax.tree.map(
-      lambda x, p: on((n, *x.shape), x, replicas.stacked_spec(p, axes)),
-      shapes.grads,
-      params,
-    ),
+    grads=jax.tree.map(stacked, shapes.grads, params),
     placement=base.Placement(base.STACKED, axes),
-    **{k: row(k, x) for k, x in shapes.counters.items()},
+    **{
+      k: on(x, (n,), row) if k in base.PER_REPLICA else on(x, (), P())
+      for k, x in shapes.counters.items()
+    },
   )
 
 
@@ -220,18 +213,13 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
             f"{jnp.result_type(leaf)}, expected the work dtype {s.dtype}."
           )
       _check_restorable(s, shown)
-      states[_key(key)] = {
-        "dtype": jnp.dtype(s.dtype).name,
-        "placement": _placement(s),
-      }
+      dtype = jnp.dtype(s.dtype).name
+      states[_key(key)] = {"dtype": dtype, "placement": _placement(s)}
     options = {"format_version": FORMAT_VERSION, "states": states}
-    saveable = _split(args.state, _host_counters)
-    return await self._impl.async_save(
-      directory,
-      args=ocp.args.PyTreeSave(
-        saveable, custom_metadata={OPTIONS_KEY: options}
-      ),
+    item = ocp.args.PyTreeSave(
+      _split(args.state, _host_counters), custom_metadata={OPTIONS_KEY: options}
     )
+    return await self._impl.async_save(directory, args=item)
 
   def save(self, directory: epath.Path, args: AccumSave) -> None:
     """Saves synchronously (see :meth:`async_save`)."""
@@ -289,9 +277,7 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise _damaged(where, "metadata", e) from e
     want = _accum_nodes(template)
     _check_states(want, _saved_states(meta.custom_metadata, where), where)
-    target = _split(
-      template, lambda s: {k: _unwrap(v) for k, v in s.counters.items()}
-    )
+    target = _split(template, lambda s: _unwrap(s.counters))
     item = ocp.args.PyTreeRestore(
       item=target, restore_args=_restore_args(target, meta.tree, want, where)
     )
@@ -339,19 +325,6 @@ def _show(path: tuple[str, ...]) -> str:
   return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
-def _unwrap(x: Any) -> Any:
-  """The value of an ``nnx.Variable`` (as in ``nnx.Optimizer.opt_state``)."""
-  get = getattr(x, "get_value", None)
-  return get() if callable(get) else x
-
-
-def _rewrap(like: Any, value: Any) -> Any:
-  """``value`` in ``like``'s ``nnx.Variable`` wrapper, if it has one."""
-  if callable(getattr(like, "get_value", None)) and hasattr(like, "replace"):
-    return like.replace(value)
-  return value
-
-
 def _accum_nodes(tree: Any) -> dict[tuple[str, ...], tuple[str, AccumState]]:
   """``{Orbax path: (readable path, state)}`` for each AccumState in tree."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_accum)
@@ -369,7 +342,7 @@ def _split(tree: Any, counters: Any) -> Any:
 
 def _host_counters(s: AccumState) -> dict[str, Any]:
   """The counters in their stored dtype, for saving."""
-  s, out = jax.tree.map(_unwrap, s), {}
+  s, out = _unwrap(s), {}
   for name, value in s.counters.items():
     dt = base.dtype_of(name, s.dtype)
     if np.ndim(value) and isinstance(value, jax.Array):
@@ -425,17 +398,10 @@ def _saved_states(custom: Any, where: str) -> dict[str, Any]:
 def _check_states(want: dict, saved: dict[str, Any], where: str) -> None:
   """The saved windows are the template's: paths, dtypes, placements."""
   keys = {_key(p): shown_s for p, shown_s in want.items()}
-  only = [(keys[k][0], "template") for k in keys if k not in saved] + [
-    (
-      _show(
-        tuple(p.replace("~1", "/").replace("~0", "~") for p in k.split("/"))
-        if k
-        else ()
-      ),
-      "checkpoint",
-    )
-    for k in sorted(set(saved) - set(keys))
-  ]
+  only = [(keys[k][0], "template") for k in keys if k not in saved]
+  for k in sorted(set(saved) - set(keys)):
+    parts = [p.replace("~1", "/").replace("~0", "~") for p in k.split("/")]
+    only.append((_show(parts if k else []), "checkpoint"))
   for shown, has in only[:1]:
     raise WeightedAccumulationError(
       f"{where}: only the {has} has an AccumState at {shown}; restore into "
@@ -474,10 +440,8 @@ def _check_states(want: dict, saved: dict[str, Any], where: str) -> None:
 
 def _restore_args(target: Any, saved: Any, want: dict, where: str) -> Any:
   """Orbax's restore args of every leaf, each checked against the saved one."""
-  flat_target, flat_meta = (
-    ocp.tree.to_flat_dict(target),
-    ocp.tree.to_flat_dict(saved),
-  )
+  flat_target = ocp.tree.to_flat_dict(target)
+  flat_meta = ocp.tree.to_flat_dict(saved)
   shown = dict(zip(flat_target, _tree.leaf_paths(target)))
   missing, extra = _tree.diff_paths(list(flat_target), list(flat_meta))
   if missing or extra:
@@ -529,11 +493,8 @@ def _restore_arg(k: tuple, leaf: Any, m: Any, want: dict, here: str) -> Any:
     )
   if isinstance(leaf, SCALARS):
     return ocp.RestoreArgs(restore_type=type(leaf))
-  if (
-    role == "counter"
-    or not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
-    or _uncommitted(leaf)
-  ):  # placed afterwards (_restored, _like)
+  array = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+  if role == "counter" or not array or _uncommitted(leaf):  # placed later
     return ocp.RestoreArgs(restore_type=np.ndarray)
   sharding, saved = leaf.sharding, getattr(m, "sharding", None)
   if sharding is None and saved is not None:
@@ -572,7 +533,7 @@ def _like(t: Any, value: Any) -> Any:
 
 def _check_restorable(s: AccumState, shown: str) -> None:
   """Refuses to save a window that :class:`AccumRestore` would refuse."""
-  saved = {GRADS: jax.tree.map(_unwrap, s.grads), COUNTERS: _host_counters(s)}
+  saved = {GRADS: _unwrap(s.grads), COUNTERS: _host_counters(s)}
   _checked(s, saved, f"AccumSave: the AccumState at {shown} (not saved)")
 
 
@@ -623,7 +584,8 @@ def _restored(t: AccumState, r: dict[str, Any], here: str) -> AccumState:
         first.mesh, P(first.spec[0]) if np.ndim(value) else P()
       )
     value = value if sharding is None else jax.device_put(value, sharding)
-    placed[name] = _rewrap(getattr(t, name), value)
+    held = getattr(t, name)  # an nnx.Variable in nnx.Optimizer.opt_state
+    placed[name] = held.replace(value) if _tree.is_variable(held) else value
   return AccumState(
     grads=grads, dtype=jnp.dtype(t.dtype), placement=t.placement, **placed
   )
