@@ -4,8 +4,6 @@ placement in the item's options; restored through ``from_buffers``' check."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 from typing import Any
@@ -196,41 +194,11 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
       WeightedAccumulationError: for a traced state, buffers not in the work
         dtype, or counters a restore would refuse; nothing is written.
     """
-    if not isinstance(args, AccumSave):
-      raise WeightedAccumulationError(
-        f"async_save: expected AccumSave(state), got {type(args).__name__}."
-      )
-    if any(_tree.is_traced(x) for x in jax.tree.leaves(args.state)):
-      raise WeightedAccumulationError(
-        "AccumSave: the state holds traced values; save it outside jit."
-      )
-    states = {}
-    for key, (shown, s) in _accum_nodes(args.state).items():
-      for path, leaf in _tree.flat(s.grads):
-        if jnp.result_type(leaf) != s.dtype:
-          raise WeightedAccumulationError(
-            f"AccumSave: buffer {shown}.grads{path} has dtype "
-            f"{jnp.result_type(leaf)}, expected the work dtype {s.dtype}."
-          )
-      _check_restorable(s, shown)
-      dtype = jnp.dtype(s.dtype).name
-      states[_key(key)] = {"dtype": dtype, "placement": _placement(s)}
-    options = {"format_version": FORMAT_VERSION, "states": states}
-    item = ocp.args.PyTreeSave(
-      _split(args.state, _host_counters), custom_metadata={OPTIONS_KEY: options}
-    )
-    return await self._impl.async_save(directory, args=item)
+    return await self._impl.async_save(directory, args=_saveable(args))
 
   def save(self, directory: epath.Path, args: AccumSave) -> None:
     """Saves synchronously (see :meth:`async_save`)."""
-
-    async def run():
-      for f in await self.async_save(directory, args) or []:
-        f.result()
-
-    # A fresh thread has no running event loop (a notebook's main thread has).
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      pool.submit(asyncio.run, run()).result()
+    self._impl.save(directory, args=_saveable(args))
 
   def finalize(self, directory: epath.Path) -> None:
     """Merges the per-process OCDBT files (called once all writes end)."""
@@ -312,6 +280,33 @@ ocp.args.register_with_handler(AccumCheckpointHandler, for_restore=True)(
 )
 
 
+def _saveable(args: AccumSave) -> ocp.args.PyTreeSave:
+  """What ``async_save`` writes, checked as a restore would check it."""
+  if not isinstance(args, AccumSave):
+    raise WeightedAccumulationError(
+      f"AccumCheckpointHandler: got {type(args).__name__}, not AccumSave."
+    )
+  if any(_tree.is_traced(x) for x in jax.tree.leaves(args.state)):
+    raise WeightedAccumulationError(
+      "AccumSave: the state holds traced values; save it outside jit."
+    )
+  states = {}
+  for key, (shown, s) in _accum_nodes(args.state).items():
+    for path, leaf in _tree.flat(s.grads):
+      if jnp.result_type(leaf) != s.dtype:
+        raise WeightedAccumulationError(
+          f"AccumSave: buffer {shown}.grads{path} has dtype "
+          f"{jnp.result_type(leaf)}, expected the work dtype {s.dtype}."
+        )
+    _check_restorable(s, shown)
+    dtype = jnp.dtype(s.dtype).name
+    states[_key(key)] = {"dtype": dtype, "placement": _placement(s)}
+  options = {"format_version": FORMAT_VERSION, "states": states}
+  return ocp.args.PyTreeSave(
+    _split(args.state, _host_counters), custom_metadata={OPTIONS_KEY: options}
+  )
+
+
 def _is_accum(x: Any) -> bool:
   return isinstance(x, AccumState)
 
@@ -381,8 +376,7 @@ def _saved_states(custom: Any, where: str) -> dict[str, Any]:
   version = options.get("format_version")
   if version not in SUPPORTED_FORMAT_VERSIONS:
     raise WeightedAccumulationError(
-      f"{where}: option 'format_version' is {version!r}, expected one of "
-      f"{list(SUPPORTED_FORMAT_VERSIONS)}: upgrade weighted_accum."
+      f"{where}: 'format_version' is {version!r}: upgrade weighted_accum."
     )
   states = options.get("states")
   if not isinstance(states, dict) or not all(
@@ -433,8 +427,7 @@ def _check_states(want: dict, saved: dict[str, Any], where: str) -> None:
       raise WeightedAccumulationError(
         f"{where}: the checkpoint holds {_describe(got)} at {shown}, the "
         f"template is {_describe(t)}: restore into a template of that kind "
-        "(abstract_state(params, dtype, axis_name=...)), or close the window "
-        "before saving."
+        "(abstract_state(..., axis_name=...)), or close the window first."
       )
 
 
