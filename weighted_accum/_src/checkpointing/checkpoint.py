@@ -4,6 +4,8 @@ placement in the item's options; restored through ``from_buffers``' check."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 from typing import Any
@@ -198,7 +200,14 @@ class AccumCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def save(self, directory: epath.Path, args: AccumSave) -> None:
     """Saves synchronously (see :meth:`async_save`)."""
-    self._impl.save(directory, args=_saveable(args))
+
+    async def run():
+      for f in await self.async_save(directory, args) or []:
+        f.result()
+
+    # A fresh thread has no running event loop (a notebook's main thread has).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      pool.submit(asyncio.run, run()).result()
 
   def finalize(self, directory: epath.Path) -> None:
     """Merges the per-process OCDBT files (called once all writes end)."""
@@ -459,10 +468,8 @@ def _role(k: tuple[str, ...], leaf: Any, want: dict) -> tuple[str, np.dtype]:
       if k[n] == GRADS:
         return "buffer", np.dtype(s.dtype)
       return "counter", base.dtype_of(k[n + 1], s.dtype)
-  # Python scalars: Orbax stores int as int64, float as float64.
-  return "other", np.dtype(
-    type(leaf) if isinstance(leaf, SCALARS) else jnp.result_type(leaf)
-  )
+  kind = type(leaf) if isinstance(leaf, SCALARS) else jnp.result_type(leaf)
+  return "other", np.dtype(kind)  # Orbax: int as int64, float as float64
 
 
 def _restore_arg(k: tuple, leaf: Any, m: Any, want: dict, here: str) -> Any:
@@ -533,7 +540,7 @@ def _check_restorable(s: AccumState, shown: str) -> None:
 def _checked(t: AccumState, r: dict[str, Any], here: str) -> dict[str, Any]:
   """The counters of a window saved like ``t``, checked by ``from_buffers``'
   check (a stacked window's replica by replica), as arrays."""
-  named, saved = _tree.flat(r[GRADS]), r[COUNTERS]
+  named, saved, per = _tree.flat(r[GRADS]), r[COUNTERS], base.PER_REPLICA
   validation.work_dtype(t.dtype, what=here)
   validation.one_device_set([("grads", r[GRADS])], what=here)
   if t.placement.kind != base.STACKED:
@@ -543,10 +550,7 @@ def _checked(t: AccumState, r: dict[str, Any], here: str) -> dict[str, Any]:
     return base.initial(work_dtype=t.dtype, **c)
   rows = [
     accumulation.check_restored(
-      {
-        k: np.asarray(v)[i] if k in base.PER_REPLICA else v
-        for k, v in saved.items()
-      },
+      {k: np.asarray(v)[i] if k in per else v for k, v in saved.items()},
       ((f"grads{p}", b[i]) for p, b in named),  # sliced if weight 0
       t.dtype,
       what=f"{here}, counters of replica {i}",
@@ -555,8 +559,8 @@ def _checked(t: AccumState, r: dict[str, Any], here: str) -> dict[str, Any]:
   ]
   return base.initial(
     work_dtype=t.dtype,
-    **{k: np.stack([row[k] for row in rows]) for k in base.PER_REPLICA},
-    **{k: v for k, v in rows[0].items() if k not in base.PER_REPLICA},
+    **{k: np.stack([row[k] for row in rows]) for k in per},
+    **{k: v for k, v in rows[0].items() if k not in per},
   )
 
 
