@@ -40,25 +40,10 @@ from weighted_accum._src.across_steps.wrapper_state import (
 from weighted_accum._src.core.accumulation import from_buffers as from_buffers
 
 # Mixed precision.
-from weighted_accum._src.core.accumulation import (
-  set_loss_scale as set_loss_scale,
-)
 from weighted_accum._src.core.base import AccumState as AccumState
 from weighted_accum._src.core.base import (
   AccumulatedGradients as AccumulatedGradients,
 )
-
-# Close a window: its sums, its mean, or its mean through an optimizer.
-from weighted_accum._src.core.finishing import apply_window as apply_window
-from weighted_accum._src.core.finishing import finish_mean as finish_mean
-from weighted_accum._src.core.finishing import finish_sums as finish_sums
-
-# Open and fill a window (global, or per replica with axis_name).
-from weighted_accum._src.core.functional import (
-  accumulate_mean as accumulate_mean,
-)
-from weighted_accum._src.core.functional import accumulate_sum as accumulate_sum
-from weighted_accum._src.core.functional import init as init
 from weighted_accum._src.core.loss_scale import (
   DynamicLossScale as DynamicLossScale,
 )
@@ -76,6 +61,22 @@ from weighted_accum._src.in_step.optax_microbatching import (
 # Inside one jitted step: a loop over the microbatches of a global batch.
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad as microbatched_value_and_grad,
+)
+
+# Open and fill a window (global, or per replica with axis_name); close it:
+# its sums, its mean, or its mean through an optimizer.
+from weighted_accum._src.parallel.functional import (
+  accumulate_mean as accumulate_mean,
+)
+from weighted_accum._src.parallel.functional import (
+  accumulate_sum as accumulate_sum,
+)
+from weighted_accum._src.parallel.functional import apply_window as apply_window
+from weighted_accum._src.parallel.functional import finish_mean as finish_mean
+from weighted_accum._src.parallel.functional import finish_sums as finish_sums
+from weighted_accum._src.parallel.functional import init as init
+from weighted_accum._src.parallel.functional import (
+  set_loss_scale as set_loss_scale,
 )
 
 # The one version string is pyproject.toml's; installed metadata carries it.

@@ -66,23 +66,36 @@ TOL = {
 KNOWN_BROKEN: set[tuple[str, str]] = {}
 
 #: A value ``loss_fn`` closes over: eager calls must see its current value.
-#: It is 0 whenever a program is traced under ``jax.jit``.
-CLOSURE = {"shift": 0.0}
+#: It is 0 whenever a program is traced under ``jax.jit``. ``how`` it is
+#: read: a Python float, a ``jax.pure_callback`` of a function built for the
+#: call, or an array committed to one device outside the meshes.
+CLOSURE = {"shift": 0.0, "how": "python"}
+HOW = ("python", "callback", "committed")
 
 
 @contextlib.contextmanager
-def closed_over(shift):
-  """``CLOSURE["shift"] = shift`` for the block, 0 again after it."""
-  CLOSURE["shift"] = shift
+def closed_over(shift, how="python"):
+  """``loss_fn`` reads ``shift`` (as ``how`` says) in the block, 0 after."""
+  CLOSURE.update(shift=shift, how=how)
+  CLOSURE["read"] = lambda: np.float32(shift)  # a callback of this call
+  CLOSURE["committed"] = jax.device_put(jnp.float32(shift), jax.devices()[-1])
   try:
     yield
   finally:
-    CLOSURE["shift"] = 0.0
+    CLOSURE.update(shift=0.0, how="python")
 
 
 @pytest.fixture(autouse=True)
 def _no_shift_left():
-  CLOSURE["shift"] = 0.0
+  CLOSURE.update(shift=0.0, how="python")
+
+
+def closed_shift():
+  """The closed-over shift, read as ``CLOSURE["how"]`` says."""
+  if CLOSURE["how"] == "callback":
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
+    return jax.pure_callback(CLOSURE["read"], f32)
+  return CLOSURE["committed" if CLOSURE["how"] == "committed" else "shift"]
 
 
 # --------------------------------------------------------------- losses --
@@ -95,9 +108,7 @@ def loss_fn_of(kind: str, mode: str, shift_argument: bool = False):
 
   def loss_fn(p, b, *shift):
     x = b["x"]
-    shift = jnp.asarray(
-      shift[0] if shift_argument else CLOSURE["shift"], x.dtype
-    )
+    shift = jnp.asarray(shift[0] if shift_argument else closed_shift(), x.dtype)
     r = x @ p["w"] + p["b"] - b["y"] - shift
     if kind == "centred":  # not separable: the microbatch's own mean
       r = r - jnp.mean(r)
@@ -417,19 +428,20 @@ def _stacked(params_list):
 
 
 def run_value_and_grad(
-  context, kind, mode, dtype, params, params2, batch, shifts
+  context, kind, mode, dtype, params, params2, batch, shifts, how="python"
 ):
   """Runs ``f`` in ``context`` and checks every result. Eager contexts are
-  called twice, the closed-over shift changed between the calls."""
+  called twice, the closed-over shift (read as ``how`` says) changed
+  between the calls."""
   per_replica = IN_STEP[context]
   blocks = blocks_of(per_replica)
   one = one_device_call(kind, mode, dtype, per_replica)
   call = value_and_grad_call(context, kind, mode, dtype)
   exact = lambda p, b: host(cast(p, DTYPES[dtype]))
-  what = f"f in {context} ({kind}, mode={mode}, {dtype})"
+  what = f"f in {context} ({kind}, mode={mode}, {dtype}, {how} closure)"
   edge = dtype == "float16" and batch["s"][0] < 1
   for shift in shifts if context in EAGER else (0.0,):
-    with closed_over(shift):
+    with closed_over(shift, how):
       ref = mean_of(ref_sums(kind, exact(params, batch), batch, blocks, shift))
       if context == "vmap":
         loss, out = call(_stacked([params, params2]), batch)
@@ -465,20 +477,20 @@ def run_value_and_grad(
 
 
 def run_accumulate(
-  context, kind, mode, params, b1, b2, shifts, dtype="float32"
+  context, kind, mode, params, b1, b2, shifts, dtype="float32", how="python"
 ):
   """One window over ``f.accumulate`` calls in ``context``: two, or eagerly
   three (``b1``, ``b2``, ``b1``), the closed-over shift changed before each
-  eager call (the third reuses the second's window signature)."""
+  eager call (read as a Python float, then twice as ``how`` says)."""
   blocks = blocks_of(IN_STEP[context])
   p = host(cast(params, DTYPES[dtype]))
-  what = f"f.accumulate in {context} ({kind}, mode={mode}, {dtype})"
+  what = f"f.accumulate in {context} ({kind}, {mode}, {dtype}, {how} closure)"
   eager = context in EAGER
   calls = list(zip((b1, b2, b1), shifts)) if eager else [(b1, 0.0), (b2, 0.0)]
   sums = [ref_sums(kind, p, b, blocks, shift) for b, shift in calls]
   ref = mean_of(functools.reduce(add, sums))
   if eager:
-    out = _eager_window(context, kind, mode, dtype, params, calls)
+    out = _eager_window(context, kind, mode, dtype, params, calls, how)
     if out is None:  # an empty window's eager close raised, as documented
       assert ref[2] == 0, f"{what}: refused a window of weight {ref[2]}"
       return
@@ -491,9 +503,10 @@ def run_accumulate(
   check(triple(out), ref, dtype, what, handed="float32", edge=edge)
 
 
-def _eager_window(context, kind, mode, dtype, params, calls):
+def _eager_window(context, kind, mode, dtype, params, calls, how):
   """An eager window over ``f.accumulate`` calls ``[(batch, shift)]``,
-  ``CLOSURE`` set to each call's shift before it."""
+  ``CLOSURE`` set to each call's shift before it (the first read as a
+  Python float, the others as ``how`` says)."""
   per_replica = IN_STEP[context]
   mesh, put_p, put_b = _placement(context)
   f = _vg(kind, mode, axis=per_replica)
@@ -501,8 +514,8 @@ def _eager_window(context, kind, mode, dtype, params, calls):
   p = put_p(cast(params, dt))
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     w = wa.init(p, axis_name="data") if per_replica else wa.init(p)
-    for b, shift in calls:
-      with closed_over(shift):
+    for i, (b, shift) in enumerate(calls):
+      with closed_over(shift, how if i else "python"):
         w = f.accumulate(w, p, put_b(cast(b, dt)))[1]
     if float(jnp.sum(w.total_weight)) == 0:
       with pytest.raises(wa.WeightedAccumulationError):
@@ -525,6 +538,27 @@ CI_STRUCTURE = {
   "jit_axis_explicit": ("rows", "sum", "float16"),
   "vmap": ("centred", "sum", "float16"),
 }
+
+
+#: CI's closure per eager context and entry point (``f``, ``accumulate``):
+#: each way of reading it, with and without ``axis_name``. Eager JAX itself
+#: refuses an array committed to a device outside the mesh next to the
+#: mesh's arrays, so ``eager_explicit`` (no ``axis_name``) reads no such one.
+CI_HOW = {
+  "eager": ("committed", "callback"),
+  "eager_axis_auto": ("callback", "committed"),
+  "eager_explicit": ("callback", "callback"),
+}
+
+
+def hows(context, entry):
+  """How ``loss_fn`` reads its closure: a Python float under jit (traced
+  once), CI's per eager context, any way with ``HYPOTHESIS_PROFILE=long``."""
+  if context not in EAGER:
+    return st.just("python")
+  if LONG:
+    return st.sampled_from(HOW[: 2 if context == "eager_explicit" else 3])
+  return st.just(CI_HOW[context][entry == "acc"])
 
 
 @st.composite
@@ -557,8 +591,10 @@ def _value_and_grad_property(context, data):
   batch = data.draw(batches())
   batch["s"][:] = data.draw(_scales(dtype))
   params, params2 = data.draw(param_sets()), data.draw(param_sets())
-  shifts = data.draw(shift_values(2))
-  run_value_and_grad(context, kind, mode, dtype, params, params2, batch, shifts)
+  shifts, how = data.draw(shift_values(2)), data.draw(hows(context, "f"))
+  run_value_and_grad(
+    context, kind, mode, dtype, params, params2, batch, shifts, how
+  )
 
 
 @pytest.mark.parametrize("context", _live(set(IN_STEP) - EAGER, "f"))
@@ -583,8 +619,8 @@ def _accumulate_property(context, data):
   kind, mode, dtype = data.draw(structures(context))
   b1, b2 = data.draw(batches()), data.draw(batches())
   params = data.draw(param_sets())
-  shifts = data.draw(shift_values(3))
-  run_accumulate(context, kind, mode, params, b1, b2, shifts, dtype=dtype)
+  shifts, how = data.draw(shift_values(3)), data.draw(hows(context, "acc"))
+  run_accumulate(context, kind, mode, params, b1, b2, shifts, dtype, how)
 
 
 @pytest.mark.parametrize("context", _live(set(IN_STEP) - EAGER, "f.accumulate"))

@@ -336,7 +336,9 @@ def test_accumulate_refuses_a_window_stacked_for_another_replica_count():
     mode="sum",
     axis_name="data",
   )
-  with pytest.raises(Error, match=r"leading replica axis of 8"):
+  with pytest.raises(
+    Error, match=r"'data': 2 Auto.*called on mesh \{'data': 8"
+  ):
     f.accumulate(state, w, batch)
 
 
@@ -374,11 +376,10 @@ def test_peek_mean_reads_a_stacked_window_whole_and_per_block():
 
 
 @pytest.mark.parametrize("name", ["auto", "explicit"])
-def test_a_second_eager_call_compiles_nothing(name):
-  """An eager call runs one compiled program kept by the function (an eager
-  shard_map compiled each of its hundreds of operations, every call): the
-  second call with new values compiles nothing and is exact; a new batch
-  shape compiles again."""
+def test_an_eager_call_compiles_one_program(name):
+  """An eager call compiles the one program it runs (an eager shard_map
+  compiled each of its hundreds of operations, every call), nothing kept:
+  the second call with new values compiles one and is exact."""
   mesh = MESHES[name]()
   w, x, y, m = _data()
   f = wa.microbatched_value_and_grad(
@@ -405,20 +406,16 @@ def test_a_second_eager_call_compiles_nothing(name):
     with Compiles() as c:
       _, out = f(p, batch(x2, y, m))
       jax.block_until_ready(out)
-    assert c.n == 0
+    assert c.n <= 1
     np.testing.assert_allclose(out.grads, _ref_grad(w, x2, y, m), rtol=1e-5)
-    with Compiles() as c:
-      jax.block_until_ready(f(p, batch(x[:, :16], y[:16], m[:16])))
-    assert c.n > 0
-    # f.accumulate into a stacked window, eagerly: once the window is as
-    # a call returns it (dist.init's may be placed otherwise), the same.
+    # f.accumulate into a stacked window, eagerly: the same.
     state = wa.init(p, axis_name="data")
     for rows in (x, x2):
       _, state = f.accumulate(state, p, batch(rows, y, m))
     with Compiles() as c:
       _, state = f.accumulate(state, p, batch(x, y, m))
       jax.block_until_ready(state)
-    assert c.n == 0
+    assert c.n <= 1
     tx = optax.sgd(1.0)
     new, *_ = wa.apply_window(tx, state, p, tx.init(p))
   both = np.concatenate([x, x2, x], axis=1), np.tile(y, 3), np.tile(m, 3)

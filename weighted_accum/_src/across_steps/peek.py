@@ -13,7 +13,6 @@ from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
-from weighted_accum._src.core import base
 from weighted_accum._src.core import finishing
 from weighted_accum._src.core.base import AccumState
 from weighted_accum._src.core.base import AccumulatedGradients
@@ -67,7 +66,8 @@ def peek_mean(
     >>> wa.peek_mean(state).grads['w'].item()   # (3*1 + 1*5) / 4
     2.0
   """
-  return placed.peek_mean(_window(state, "peek_mean"))
+  st = _window(state, "peek_mean")
+  return placed.finish_mean(st, None, False, "peek_mean")[0]
 
 
 def discard(
@@ -108,8 +108,7 @@ def discard(
   ls = validation.optional_loss_scale(
     next_loss_scale, what=what, dtype=st.loss_scale.dtype
   )
-  if not base.plain(st):  # the placement checked against this context
-    base.PLACED["check"](st, "discard")
+  st = placed.where(st, "discard")[1]  # checked against this context
   finishing.shared_over_window(st, ls, what)
   new = _discard_kernel(st, ls)
   if isinstance(wrapper, WeightedMultiStepsState):
@@ -123,4 +122,6 @@ def discard(
       window=new.replace(grads=None),
       mini_step=jnp.zeros_like(wrapper.mini_step),
     )
+  if isinstance(state, AccumState):  # its placement may have moved
+    return new
   return wrapper_state.rewrap(state, new)

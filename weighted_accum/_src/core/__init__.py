@@ -5,6 +5,5 @@ tallies, NaN-safe finiteness marks), ``tree_utils`` (leaf paths, shardings),
 ``accumulation`` (``init``, the one accumulate path, ``from_buffers``),
 ``window`` (the one close path), ``finishing`` (``finish_sums``,
 ``finish_mean``, ``apply_window``), ``open_window`` (the kernels of
-``peek_mean`` and ``discard``), ``loss_scale`` (``DynamicLossScale``) and
-``eager_cache`` (the signatures of eager microbatches already validated).
+``peek_mean`` and ``discard``) and ``loss_scale`` (``DynamicLossScale``).
 """

@@ -1,15 +1,15 @@
 """Opening and filling a global window: ``init``, ``from_buffers``, the one
 accumulate path ``add`` and ``set_loss_scale``.
 
-Each validates its inputs (``validation``; structure cached per signature
-when eager, ``eager_cache``), then runs a jitted kernel that inlines into the
-caller's ``jit`` and updates donated buffers in place (``docs/design.md``,
-"Performance rules"). Windows are closed in :mod:`weighted_accum._src.core.window`.
+Each validates its inputs (``validation``; on every call, eager ones too),
+then runs a jitted kernel that inlines into the caller's ``jit`` and
+updates donated buffers in place (``docs/design.md``, "Performance rules").
+Windows are closed in :mod:`weighted_accum._src.core.window`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import functools
 import math
 from typing import Any
@@ -23,7 +23,6 @@ import numpy as np
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import base
-from weighted_accum._src.core import eager_cache
 from weighted_accum._src.core import numerics
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core.base import AccumState
@@ -110,16 +109,26 @@ def _buffers_dtype(named: list[tuple[str, Any]]) -> np.dtype:
   )
 
 
-def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
-  """Only positive-weight microbatches add: a weight-0 window has zero buffers."""
-  for path, b in named:
-    if bool(jnp.any(numerics.nonzero(b))):  # on the bits: subnormals count
-      raise WeightedAccumulationError(
-        f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
-        "say the window's total weight is 0 (only positive-weight "
-        "microbatches add to the buffers). Buffers and counters come from "
-        "different saves: restore them together."
-      )
+def check_restored(
+  counters: Any, named: Iterable[tuple[str, Any]], dtype: Any, *, what: str
+) -> dict[str, Any]:
+  """A saved window's counters as stored (``validation.saved_counters``),
+  its ``named`` buffers zero if its weight is: ``from_buffers``' check and
+  the restore's."""
+  c = validation.saved_counters(
+    counters,
+    base.COUNTERS,
+    lambda name: base.dtype_of(name, dtype),
+    what=what,
+  )
+  if c["weight_hi"] + c["weight_lo"] == 0:
+    for path, b in named:  # only positive-weight microbatches add
+      if bool(jnp.any(numerics.nonzero(b))):  # on the bits: subnormals count
+        raise WeightedAccumulationError(
+          f"{what}: the total weight is 0, but buffer {path} is non-zero: "
+          "restore the buffers and counters of one save."
+        )
+  return c
 
 
 def _param_sharding(param: Any) -> jax.sharding.Sharding | None:
@@ -187,18 +196,13 @@ def from_buffers(
   validation.one_device_set([("", params)], what="from_buffers(params)")
   paths = tree_utils.leaf_paths(params)
   dtype = _buffers_dtype(list(zip(paths, leaves)))
-  c = validation.saved_counters(
-    counters,
-    base.COUNTERS,
-    lambda name: base.dtype_of(name, dtype),
-    what="from_buffers(counters)",
-  )
   p_leaves, treedef = jax.tree.flatten(params)
   placed = [
     _place(b, p, path, dtype) for b, p, path in zip(leaves, p_leaves, paths)
   ]
-  if c["weight_hi"] + c["weight_lo"] == 0:
-    _check_empty_window_zero(list(zip(paths, placed)))
+  c = check_restored(
+    counters, zip(paths, placed), dtype, what="from_buffers(counters)"
+  )
   return AccumState(
     grads=jax.tree.unflatten(treedef, placed),
     dtype=dtype,
@@ -255,34 +259,6 @@ def check_room(state: AccumState, w: validation.Weight, name: str) -> None:
       f"beyond the {state.weight_hi.dtype} tally's range. Finish the window "
       "first, or scale all weights down by a common factor."
     )
-
-
-def _structure(
-  state: AccumState, grads: Any, name: str
-) -> tuple[list[Any], bool, Any]:
-  """The grads' leaves, whether all sit on their buffers, and their signature."""
-  grads_sig, leaves = eager_cache.signature(grads)
-  placed = eager_cache.last_output(name, state, grads_sig)
-  if placed is not None:  # the state this entry point returned last
-    return leaves, placed, grads_sig
-  bufs_sig, _ = eager_cache.signature(state.grads)
-  key = None
-  if grads_sig is not None and bufs_sig is not None:
-    key = (name, grads_sig, bufs_sig)
-    placed = eager_cache.lookup(key)
-    if placed is not None:
-      return leaves, placed, grads_sig
-  leaves = check_structure(state, grads, name)
-  placed = all(
-    not (isinstance(g, jax.Array) and isinstance(b, jax.Array))
-    or tree_utils.is_traced(g)
-    or tree_utils.is_traced(b)
-    or g.sharding.is_equivalent_to(b.sharding, b.ndim)
-    for g, b in zip(leaves, jax.tree.leaves(state.grads))
-  )
-  if key is not None:
-    eager_cache.remember(key, placed)
-  return leaves, placed, grads_sig
 
 
 def _on_buffer_shardings(state: AccumState, leaves: list[Any]) -> list[Any]:
@@ -383,7 +359,7 @@ def add(
       "under jit."
     )
   checked = validation.static_flag(checked, what=f"{name}(checked=...)")
-  leaves, placed, grads_sig = _structure(state, grads, name)
+  leaves = check_structure(state, grads, name)
   w = convert_weight(state, weight, name)
   check_room(state, w, name)
   if not allow_reduced and tree_utils.is_traced(w.hi):
@@ -402,85 +378,10 @@ def add(
       "counts it).",
       w=jnp.asarray(weight).astype(jnp.float32),
     )
-  if not placed:
-    leaves = _on_buffer_shardings(state, leaves)
-  new = _kernel(state, leaves, w, mean=mean)
-  eager_cache.remember_output(name, new, grads_sig, placed)
-  return new
+  return _kernel(state, _on_buffer_shardings(state, leaves), w, mean=mean)
 
 
 # --------------------------------------------------------- set_loss_scale --
-
-
-def set_loss_scale(
-  state: AccumState, loss_scale: Any, *, checked: bool = False
-) -> AccumState:
-  """Sets the loss scale of a window to which nothing was added yet.
-
-  The scale is constant within a window, so only a window of total weight
-  0 may change it: one just started by a finish, or one holding only
-  zero-weight or rejected microbatches (they added nothing to the buffers).
-  The rest of the state is unchanged.
-
-  Args:
-    state: the open window.
-    loss_scale: the new scale, a finite positive scalar, or a
-      :class:`~weighted_accum.DynamicLossScale` (its ``scale``). Stored in
-      the state's loss-scale dtype (float32; float64 for a float64 work
-      dtype).
-    checked: under ``jax.jit``, also emit ``checkify`` checks for the two
-      conditions below.
-
-  Returns:
-    ``state`` with ``loss_scale`` replaced. Under ``jit``, where it cannot
-    raise, a traced invalid scale (non-finite, non-positive, flushed to
-    zero) or a window that already holds weight makes the window's scale
-    NaN: the window is unusable (its microbatches are rejected and counted,
-    its finish reports ``valid=False``) until a finish starts the next one
-    with a valid ``next_loss_scale``. Keeping the old scale instead would
-    divide grads scaled by the new factor by the old one, reported valid.
-
-  Raises:
-    WeightedAccumulationError: for a concrete invalid scale, or a concrete
-      window that already holds weight (finish it first).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import weighted_accum as wa
-    >>> scaler = wa.DynamicLossScale(2.0**16)
-    >>> state = wa.init({'w': jnp.zeros(2)}, loss_scale=scaler)
-    >>> state = wa.accumulate_mean(state, {'w': jnp.full(2, 2.0**16)}, 3)
-    >>> out, state = wa.finish_mean(state)
-    >>> scaler = scaler.adjust(out.finite)
-    >>> state = wa.set_loss_scale(state, scaler)
-    >>> float(state.loss_scale), out.grads['w'].tolist()
-    (65536.0, [1.0, 1.0])
-  """
-  validation.instance(
-    state,
-    AccumState,
-    what="set_loss_scale(state)",
-    hint="Pass the window from wa.init or a finish, then the scale.",
-  )
-  checked = validation.static_flag(checked, what="set_loss_scale(checked=...)")
-  if not base.plain(state):
-    base.PLACED["check"](state, "set_loss_scale")
-  ls = validation.loss_scale(
-    loss_scale,
-    what="set_loss_scale(loss_scale)",
-    dtype=state.loss_scale.dtype,
-  )
-  if not tree_utils.is_traced(state.weight_hi):
-    total = state.total_weight  # a stacked window's: over the replicas
-    if total != 0:
-      raise WeightedAccumulationError(
-        f"set_loss_scale: the open window already holds total weight "
-        f"{total!r} from {int(np.sum(state.issued))} microbatch(es) accumulated at "
-        f"loss scale {float(state.loss_scale)!r}; the scale is constant "
-        "within a window. Finish the window first, or set the next "
-        "window's scale with finish_mean/finish_sums(next_loss_scale=...)."
-      )
-  return _set_scale(state, ls, checked)
 
 
 def _is_empty(state: AccumState, ls: Any) -> jax.Array:

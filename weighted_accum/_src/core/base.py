@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from weighted_accum._src.core import numerics
+from weighted_accum._src.errors import WeightedAccumulationError
 
 # Across replicas (``Counter.replicas``):
 SUMMED = "summed"  # per replica; the cross-replica reduction sums it
@@ -78,11 +79,15 @@ class Placement(NamedTuple):
     reduce: for a per-replica window, ``"window"`` (local sums, one
       reduction at the close) or ``"microbatch"`` (every accumulate
       all-reduces; the window holds global sums).
+    mesh: a stacked window's ``jax.sharding.Mesh`` (its devices in mesh
+      order, axis names, sizes and types), or its ``AbstractMesh`` where
+      made under ``jax.jit`` without ``jax.set_mesh``; ``None`` otherwise.
   """
 
   kind: str = GLOBAL
   axes: tuple[str, ...] = ()
   reduce: str = "window"
+  mesh: Any = None
 
   @property
   def per_replica(self) -> bool:
@@ -95,16 +100,16 @@ class Placement(NamedTuple):
 #: The placement of a window made without ``axis_name``.
 GLOBAL_WINDOW = Placement()
 
-#: The entry points' paths for every window but a plain one, registered by
-#: the data-parallel layer (``parallel.placed``), which core does not import.
-PLACED: dict[str, Any] = {}
 
-
-def plain(state: Any) -> bool:
-  """Whether ``state`` is a global window read as one (no ``shard_map``)."""
-  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
-  kind = state.placement.kind
-  return kind == GLOBAL and np.ndim(state.weight_hi) == 0 and not manual
+def check_scalar(state: Any, what: str) -> None:
+  """Refuses counters with a leading axis on a window that is not stacked."""
+  lead = np.shape(state.weight_hi)
+  if state.placement.kind != STACKED and lead:
+    raise WeightedAccumulationError(
+      f"{what}(state): a {state.placement.kind} window has scalar counters, "
+      f"this one {lead}: read a jax.vmap batch under jax.vmap; restore into "
+      "this kind's template."
+    )
 
 
 def _counter(kind: str, initial: float, at_finish: str, replicas: str) -> Any:
@@ -133,11 +138,8 @@ class AccumState(struct.PyTreeNode):
     weight_lo: float32, the rounding error of ``weight_hi`` (exact tally).
     loss_scale: float32, the loss scale of this window.
     dtype: the work dtype (static).
-    placement: what the window is (static): a named tuple ``(kind, axes,
-      reduce)``; ``kind`` is ``"global"``, ``"replica"`` (inside
-      ``shard_map`` over ``axes``) or ``"stacked"`` (per replica, carried
-      between jitted steps), ``reduce`` is ``"window"`` or
-      ``"microbatch"``. Set by :func:`~weighted_accum.init`.
+    placement: what the window is and where it lives (static, a
+      :class:`Placement`). Set by :func:`~weighted_accum.init`.
 
   Example:
     >>> import jax.numpy as jnp
@@ -171,8 +173,7 @@ class AccumState(struct.PyTreeNode):
     replica's weight.
     """
     hi, lo = self.weight_hi, self.weight_lo
-    if self.placement.kind != STACKED and np.ndim(hi):
-      PLACED["check"](self, "total_weight")
+    check_scalar(self, "total_weight")
     if self.placement.kind == STACKED and np.ndim(hi) == 1:
       if isinstance(hi, jax.core.Tracer):
         return jnp.sum(hi) + jnp.sum(lo)

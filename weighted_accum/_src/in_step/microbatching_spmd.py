@@ -1,13 +1,13 @@
 """``microbatched_value_and_grad(..., axis_name=...)`` under plain ``jax.jit``:
 the call's plan (mesh, the params' layout over the data axes, FSDP included)
 and the loop in a partial-manual ``jax.shard_map`` over those axes, one
-collective round per call whatever K; eager calls run compiled programs
-keyed on their trace. FSDP and the mesh: ``docs/scaling.md``."""
+collective round per call whatever K; an eager call compiles that call's
+own program (``jax.jit`` of its closure: nothing kept; repeated calls
+belong under ``jax.jit``). FSDP and the mesh: ``docs/scaling.md``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -329,33 +329,7 @@ def aux_per_replica(aux: Any, axes: Axes) -> Any:
   return jax.tree.map(lambda a: a[:, None], tree_utils.to_varying(aux, axes))
 
 
-_EAGER_ENTRIES = 16  # compiled eager programs kept per function
-
-
-def run_eagerly(cache: dict | None, run: Callable[..., Any], *args: Any):
-  """``run(*args)``; eagerly, by the program compiled for an equal trace."""
-  flat, tree = jax.tree.flatten(args)
-  if cache is None or any(map(tree_utils.is_traced, flat)):
-    return run(*args)
-  closed, shape = jax.make_jaxpr(
-    lambda *xs: run(*jax.tree.unflatten(tree, xs)), return_shape=True
-  )(*flat)
-  ins = list(closed.consts) + flat
-  key = (
-    str(closed.jaxpr),
-    *((jax.typeof(x), getattr(x, "sharding", None)) for x in ins),
-  )
-  prog = cache.pop(key, None)
-  if prog is None:
-    if len(cache) >= _EAGER_ENTRIES:
-      cache.pop(next(iter(cache)))
-    prog = jax.jit(functools.partial(jax.core.eval_jaxpr, closed.jaxpr))
-  cache[key] = prog  # the most recently used last
-  out = prog(list(closed.consts), *flat)
-  return jax.tree.unflatten(jax.tree.structure(shape), out)
-
-
-def _sharded(cfg, pl: _Plan, sp: _Split, fn, specs, cache, args, *rest, post):
+def _sharded(cfg, pl: _Plan, sp: _Split, fn, specs, args, *rest, post):
   """``fn(args, kwargs, ..., *rest)`` per replica in a ``shard_map``."""
 
   def body(values, *rest):
@@ -373,14 +347,14 @@ def _sharded(cfg, pl: _Plan, sp: _Split, fn, specs, cache, args, *rest, post):
     return post(res), rngs
 
   dyn = [sp.leaves[i] for i in sp.dynamic]
-  res, rngs = run_eagerly(cache, run, dyn, *rest)
+  # Eagerly, this call's program, compiled whole (an eager shard_map runs op
+  # by op); under jit, inlined. A fresh closure: no program is reused.
+  res, rngs = jax.jit(run)(dyn, *rest)
   margs.update_rngs(cfg.roles, args, rngs)
   return res
 
 
-def value_and_grad(
-  cfg: Any, step: Callable[..., Any], call: tuple, cache: dict | None = None
-) -> Any:
+def value_and_grad(cfg: Any, step: Callable[..., Any], call: tuple) -> Any:
   """``f`` with ``axis_name`` on the global batch: ``step`` per replica."""
   args, kwargs, num_real, scale, normalizers = call
   pl = plan_call(cfg, args, kwargs)
@@ -403,7 +377,7 @@ def value_and_grad(
   specs = ((P(), P()), _out_specs(cfg, args, pl.lay))
   ls = jnp.asarray(scale)  # validated by the caller (microbatching)
   post = lambda res: _placed(res, pl)
-  res = _sharded(cfg, pl, sp, fn, specs, cache, args, n_real, ls, post=post)
+  res = _sharded(cfg, pl, sp, fn, specs, args, n_real, ls, post=post)
   _refuse_empty(cfg, res[1].weight, norms)
   return res
 
@@ -422,8 +396,9 @@ def _refuse_empty(cfg: Any, weight: Any, normalizers: Any) -> None:
       )
 
 
-def _check_window(state: Any, lay: Layout, what: str) -> None:
-  """Refuses a window that is not stacked for these replicas."""
+def _check_window(state: Any, pl: Any, what: str, args: tuple) -> Any:
+  """The window on the call's mesh, refused if not stacked for it."""
+  lay = pl.lay
   if lay.fsdp == "scatter_each" and any(e.scatter for e in lay.leaves):
     raise WeightedAccumulationError(
       f"{what}: fsdp='scatter_each' reduces every microbatch, so a window "
@@ -434,7 +409,11 @@ def _check_window(state: Any, lay: Layout, what: str) -> None:
       f"{what}: under plain jit the window is stacked over the "
       f"{lay.replicas} replicas: wa.init(params, axis_name={lay.axes!r})."
     )
+  state = replicas.home(
+    state, replicas.caller_mesh(args), what.removesuffix("(state)"), lay.axes
+  )
   replicas.check_block(state, lay.replicas, what.removesuffix("(state)"))
+  return state
 
 
 def accumulate(
@@ -442,7 +421,6 @@ def accumulate(
   step: Callable[..., Any],
   state: Any,
   call: tuple,
-  cache: dict | None = None,
 ) -> Any:
   """``f.accumulate`` on the global batch: a stacked window, no collective."""
   args, kwargs, num_real = call
@@ -453,7 +431,7 @@ def accumulate(
   state = validation.instance(state, AccumState, what=what, hint=hint)
   pl = plan_call(cfg, args, kwargs)
   lay = pl.lay
-  _check_window(state, lay, what)
+  state = _check_window(state, pl, what, args)
   n_real = validation.num_real(
     num_real, pl.inner.roles.num_microbatches, what=_WHAT
   )
@@ -472,6 +450,4 @@ def accumulate(
   st_specs = replicas.specs(state, lay.axes)
   value_specs = ((one, one), P(None, one[0])) if cfg.has_aux else (one, one)
   specs = ((st_specs, P()), (value_specs, st_specs))
-  return _sharded(
-    cfg, pl, sp, fn, specs, cache, args, state, n_real, post=lambda r: r
-  )
+  return _sharded(cfg, pl, sp, fn, specs, args, state, n_real, post=lambda r: r)

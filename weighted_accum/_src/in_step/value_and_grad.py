@@ -153,7 +153,6 @@ def microbatched_value_and_grad(
 
 def _functions(cfg: _Config) -> Callable[..., Any]:
   """``f`` and its ``.accumulate`` (with ``axis_name`` unbound: per replica)."""
-  eager: dict = {}  # the compiled programs of eager calls (run_eagerly)
   global_batch = lambda: cfg.dp is not None and not replicas.bound(cfg.axes)
 
   def f(
@@ -163,14 +162,14 @@ def _functions(cfg: _Config) -> Callable[..., Any]:
     n_real = num_real_microbatches
     if global_batch():
       call = (args, kw, n_real, call_scale(cfg, loss_scale), normalizers)
-      return spmd.value_and_grad(cfg, _step, call, eager)
+      return spmd.value_and_grad(cfg, _step, call)
     return _step(cfg, args, kw, n_real, loss_scale, normalizers)
 
   def accumulate(state, *args, num_real_microbatches=None, **kw):
     args = margs.float_params(cfg.roles, args)
     call = (args, kw, num_real_microbatches)
     if global_batch():
-      return spmd.accumulate(cfg, _accumulate, state, call, eager)
+      return spmd.accumulate(cfg, _accumulate, state, call)
     return _accumulate(cfg, state, *call)
 
   f.accumulate = accumulate

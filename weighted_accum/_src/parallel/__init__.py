@@ -5,6 +5,3 @@
 ``spmd_layout`` (meshes, partition specs and FSDP layouts of the params) and
 ``local_grads`` (gradients that autodiff has not yet reduced).
 """
-
-# The placed paths register themselves in ``core.base.PLACED``.
-from weighted_accum._src.parallel import placed as placed  # noqa: E402

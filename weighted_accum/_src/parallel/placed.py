@@ -1,15 +1,12 @@
-"""The one placement check (:func:`where`) and the entry points' paths for
-every window but a global one under plain ``jit``, registered in
-``base.PLACED`` (core does not import this layer). What each context
-computes: ``docs/scaling.md``.
-"""
+"""The one placement check (:func:`where`) and each entry point's path for
+every kind of window. What each context computes: ``docs/scaling.md``."""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
-import numpy as np
 
 from weighted_accum._src import validation
 from weighted_accum._src.core import accumulation
@@ -36,16 +33,14 @@ def _err(what: str, msg: str) -> WeightedAccumulationError:
   return WeightedAccumulationError(f"{what}(state): {msg}")
 
 
-def where(state: AccumState, what: str, *, adds: bool = False) -> str:
-  """How ``state`` is read here (placement and context); names a mismatch."""
-  pl, lead = state.placement, np.shape(state.weight_hi)
+def where(
+  state: AccumState, what: str, *, adds: bool = False, caller: Any = None
+) -> tuple[str, AccumState]:
+  """How ``state`` is read here (placement and context), and the window as
+  read there (a stacked one on the caller's mesh); names a mismatch."""
+  pl = state.placement
+  base.check_scalar(state, what)
   manual = set(tree_utils.manual_axes())
-  if pl.kind != base.STACKED and lead:
-    raise _err(
-      what,
-      f"a {pl.kind} window has scalar counters, this one {lead}: read a "
-      "jax.vmap batch under jax.vmap; restore into this kind's template.",
-    )
   if pl.kind == base.GLOBAL:
     local = manual & tree_utils.varying_axes(state.weight_hi)
     if local and what in MEANS:
@@ -54,12 +49,12 @@ def where(state: AccumState, what: str, *, adds: bool = False) -> str:
         f"this global window holds per-replica sums over {sorted(local)}: "
         "use wa.init(params, axis_name=...), or finish_sums + reduce_sums.",
       )
-    return GLOBAL
+    return GLOBAL, state
   if pl.kind == base.REPLICA:
     if pl.reduce == "microbatch" and not adds:
-      return GLOBAL  # it holds the global sums and counts
+      return GLOBAL, state  # it holds the global sums and counts
     validation.bound_axes(pl.axes, what=f"{what}(state)")
-    return REPLICA
+    return REPLICA, state
   inside = manual & set(pl.axes)
   if inside and not tree_utils.bound(pl.axes):
     raise _err(
@@ -69,16 +64,16 @@ def where(state: AccumState, what: str, *, adds: bool = False) -> str:
     )
   if tree_utils.bound(pl.axes):
     replicas.check_block(state, 1, what)
-    return BLOCK
+    return BLOCK, state
   if adds:
     raise _err(
       what,
       f"stacked per replica over {pl.axes}: add to it inside shard_map "
       "(window_specs) or by microbatched_value_and_grad(..., axis_name=...).",
     )
-  mesh = layout_.find_mesh([state.weight_hi], pl.axes, what=what)
-  replicas.check_block(state, layout_.size(mesh, pl.axes), what)
-  return STACKED
+  state = replicas.home(state, caller, what)
+  replicas.check_block(state, layout_.size(pl.mesh, pl.axes), what)
+  return STACKED, state
 
 
 def _on_block(fn, state: AccumState, *args, **kw):
@@ -95,7 +90,7 @@ def _on_block(fn, state: AccumState, *args, **kw):
 def accumulate(state, grads, weight, *, mean, checked, name) -> AccumState:
   """Adds a microbatch as the window's placement says."""
   kw = dict(mean=mean, checked=checked, name=name)
-  at = where(state, name, adds=True)
+  at, state = where(state, name, adds=True)
   if at == BLOCK:
     return _on_block(accumulate, state, grads, weight, **kw)
   if at == REPLICA:
@@ -114,14 +109,14 @@ def accumulate(state, grads, weight, *, mean, checked, name) -> AccumState:
 
 
 def finish_mean(state, ls, checked, what: str = "finish_mean"):
-  """``wa.finish_mean`` of a window that is not plain."""
-  at, axes = where(state, what), state.placement.axes
+  """``wa.finish_mean`` of a window as placed."""
+  (at, state), axes = where(state, what), state.placement.axes
   if not tree_utils.is_traced(state.weight_hi):
     validation.nonempty_window(state, what=what)
   if at == BLOCK:
     return _on_block(finish_mean, state, ls, checked, what)
   if at == STACKED:
-    return replicas.finish_mean(state, axes, ls, what)
+    return replicas.finish_mean(state, axes, ls)
   if at == GLOBAL:
     return finishing.finish_global(state, ls, checked)
   return window.finish(
@@ -131,33 +126,27 @@ def finish_mean(state, ls, checked, what: str = "finish_mean"):
 
 def finish_sums(state, ls):
   """``wa.finish_sums``: unreduced sums, so not of a stacked window."""
-  if where(state, "finish_sums") in (BLOCK, STACKED):
+  if where(state, "finish_sums")[0] in (BLOCK, STACKED):
     finishing.one_window(state, "finish_sums")
   return finishing._finish_kernel(state, ls, mean=False)
 
 
-def peek_mean(state):
-  """``wa.peek_mean``: the mean ``finish_mean`` gives, the window kept."""
-  return finish_mean(state, None, False, "peek_mean")[0]
-
-
 def apply_window(tx, state, params, opt_state, ls):
-  """``wa.apply_window`` of a window that is not plain."""
-  at, axes = where(state, "apply_window"), state.placement.axes
+  """``wa.apply_window`` of a window as placed."""
+  at, state = where(state, "apply_window", caller=replicas.caller_mesh(params))
+  axes, held = state.placement.axes, [("state.grads", state.grads)]
+  held += [("params", params), ("opt_state", opt_state)]
+  validation.one_device_set(held, what="apply_window")
   if at == BLOCK:
     fn = functools.partial(apply_window, tx)
     return _on_block(fn, state, params, opt_state, ls)
   if at != STACKED:
     axes = axes if at == REPLICA else ()
     return finishing.apply_global(tx, state, params, opt_state, ls, axes)
-  tree_utils.match_tree(
-    jax.tree.map(
-      lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), state.grads
-    ),
-    params,
-    what="apply_window(params)",
-    ref_name="the accumulator's buffers",
-  )
+  row = lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype)
+  rows, buffers = jax.tree.map(row, state.grads), "the accumulator's buffers"
+  what = "apply_window(params)"
+  tree_utils.match_tree(rows, params, what=what, ref_name=buffers)
   return _apply_stacked(tx, state, params, opt_state, ls, axes)
 
 
@@ -187,14 +176,3 @@ def _apply_stacked(tx, state, params, opt_state, next_loss_scale, axes):
     tx, glob, params, opt_state, next_loss_scale, ()
   )
   return params, opt_state, replicas.next_window(state, closed), out
-
-
-base.PLACED.update(
-  init=distributed.make,
-  accumulate=accumulate,
-  finish_mean=finish_mean,
-  finish_sums=finish_sums,
-  peek_mean=peek_mean,
-  apply_window=apply_window,
-  check=where,
-)

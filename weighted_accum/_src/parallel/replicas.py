@@ -11,7 +11,9 @@ import functools
 from typing import Any
 
 import jax
+from jax._src import mesh as _jax_mesh  # set_mesh's mesh under jit
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -56,22 +58,14 @@ def specs(state: AccumState, axes: Axes) -> AccumState:
 
 
 def check_block(state: AccumState, n: int, what: str) -> None:
-  """Refuses a stacked window not laid over its axes or not ``n`` long."""
-  axes, s = state.placement.axes, getattr(state.weight_hi, "sharding", None)
-  if not tree_utils.is_traced(state.weight_hi) and not (
-    isinstance(s, NamedSharding) and set(axes) <= set(s.mesh.axis_names)
-  ):
-    raise WeightedAccumulationError(
-      f"{what}(state): this stacked window is not laid over a mesh with its "
-      f"axes {axes}; pass it with window_specs' specs."
-    )
-  for path, x in [("weight_hi", state.weight_hi)] + tree_utils.flat(
-    state.grads
-  ):
+  """Refuses a stacked window whose leaves are not ``n`` rows long."""
+  leaves = [("weight_hi", state.weight_hi)] + tree_utils.flat(state.grads)
+  for path, x in leaves:
     if np.ndim(x) < 1 or np.shape(x)[0] != n:
       raise WeightedAccumulationError(
         f"{what}(state): leaf {path} has shape {np.shape(x)}, expected a "
-        f"leading replica axis of {n} here over {axes} (window_specs)."
+        f"leading replica axis of {n} here over {state.placement.axes} "
+        "(window_specs)."
       )
 
 
@@ -80,7 +74,7 @@ def unstack(block: AccumState, axes: Axes, what: str | None) -> AccumState:
   if what is not None:
     check_block(block, 1, what)
   return block.replace(
-    placement=base.Placement(base.REPLICA, axes, "window"),
+    placement=block.placement._replace(kind=base.REPLICA, axes=axes),
     **{k: jax.tree.map(lambda x: x[0], getattr(block, k)) for k in PER_REPLICA},
   )
 
@@ -89,22 +83,9 @@ def stack(state: AccumState, axes: Axes) -> AccumState:
   """The block ``[1, ...]`` of a per-replica window (inverse of unstack)."""
   one = lambda x: tree_utils.to_varying(x, axes)[None]
   return state.replace(
-    placement=base.Placement(base.STACKED, axes),
+    placement=state.placement._replace(kind=base.STACKED, axes=axes),
     **{k: jax.tree.map(one, getattr(state, k)) for k in PER_REPLICA},
   )
-
-
-# ---------------------------------------------------------------- init --
-
-
-def _params_mesh(params: Any, axes: Axes, what: str) -> Any:
-  """A concrete param's mesh, else the params' types' or the context mesh."""
-  for x in jax.tree.leaves(params):
-    s = getattr(x, "sharding", None)
-    concrete = isinstance(s, NamedSharding) and not tree_utils.is_traced(x)
-    if concrete and all(a in s.mesh.axis_names for a in axes):
-      return s.mesh
-  return layout_.find_mesh(jax.tree.leaves(params), axes, what=what)
 
 
 def stacked_spec(x: Any, axes: Axes, is_explicit: bool = False) -> P:
@@ -122,14 +103,12 @@ def stacked_spec(x: Any, axes: Axes, is_explicit: bool = False) -> P:
 
 def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   """The stacked window of the fresh window ``state`` of ``params``."""
-  mesh = _params_mesh(params, axes, what)
+  mesh = caller_mesh(params)  # a concrete param's, else set_mesh's
+  if mesh is None or not set(axes) <= set(mesh.axis_names):
+    mesh = layout_.find_mesh(jax.tree.leaves(params), axes, what=what)
   is_explicit = layout_.explicit(mesh, axes, what=what)
-  concrete = isinstance(mesh, jax.sharding.Mesh)
-  if not (
-    concrete
-    or is_explicit
-    or set(axes) <= set(jax.sharding.get_abstract_mesh().axis_names)
-  ):
+  placement = placement_on(mesh, axes)
+  if not (isinstance(placement.mesh, Mesh) or is_explicit):
     raise WeightedAccumulationError(
       f"{what}(axis_name={axes!r}): under jax.jit on Auto data axes the "
       "params carry no devices: call it under jax.set_mesh(mesh) or outside jit."
@@ -139,17 +118,85 @@ def init(state: AccumState, params: Any, axes: Axes, what: str) -> AccumState:
   def zeros(x):
     spec = stacked_spec(x, axes, is_explicit)
     shape, dtype = (n,) + tuple(np.shape(x)), jnp.result_type(x)
-    if concrete and not tree_utils.is_traced(x):
+    if not tree_utils.is_traced(x) and isinstance(mesh, Mesh):
       return jnp.zeros(shape, dtype, device=NamedSharding(mesh, spec))
-    if is_explicit:
-      return jnp.zeros(shape, dtype, out_sharding=spec)
+    if is_explicit:  # built from x: under jit the devices are x's
+      z = jnp.broadcast_to(tree_utils.zeros_like(x, dtype), shape)
+      return jax.sharding.reshard(z, NamedSharding(mesh, spec))
     z = jnp.zeros(shape, dtype)
     return jax.lax.with_sharding_constraint(z, NamedSharding(mesh, spec))
 
   return state.replace(
     grads=jax.tree.map(zeros, state.grads),
-    placement=base.Placement(base.STACKED, axes),
+    placement=placement,
     **{k: zeros(getattr(state, k)) for k in COUNTS},
+  )
+
+
+def context_mesh() -> Mesh | None:
+  """``jax.set_mesh``'s mesh, also under ``jax.jit`` (whose key holds it)."""
+  mesh = _jax_mesh.get_concrete_mesh()  # jax.sharding.get_mesh outside jit
+  return None if mesh.empty else mesh
+
+
+def caller_mesh(tree: Any) -> Mesh | None:
+  """The mesh of ``tree``'s first leaf laid on one, else set_mesh's."""
+  for x in jax.tree.leaves(tree):
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding) and not tree_utils.is_traced(x):
+      return s.mesh
+  return context_mesh()
+
+
+def placement_on(mesh: Any, axes: Axes) -> base.Placement:
+  """A stacked window's placement on ``mesh`` (set_mesh's if abstract)."""
+  ctx = context_mesh()
+  same = ctx is not None and ctx.abstract_mesh == mesh
+  return base.Placement(base.STACKED, axes, "window", ctx if same else mesh)
+
+
+def _show(mesh: Any) -> str:
+  sizes = zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+  axes = ", ".join(f"{n!r}: {size} {t.name}" for n, size, t in sizes)
+  ids = list(map(int, mesh.device_ids.flat)) if isinstance(mesh, Mesh) else "?"
+  return f"mesh {{{axes}}} on devices {ids}"
+
+
+def home(state: AccumState, caller: Any, what: str, axes=None) -> AccumState:
+  """``state`` checked against the caller's mesh (else set_mesh's, else its
+  own), moved there eagerly (rows in order: the same result), or refused."""
+  pl, x = state.placement, state.weight_hi
+  ctx = caller if caller is not None else context_mesh()
+  traced, shape = tree_utils.is_traced(x), _abstract(pl.mesh)
+  s = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
+  at = s.mesh if isinstance(s, NamedSharding) else None
+  if axes is not None and axes != pl.axes:
+    raise _refused(pl, what, f"called over the axes {axes}")
+  if ctx is not None and _abstract(ctx) != shape:
+    raise _refused(pl, what, f"called on {_show(ctx)}")
+  if at is None or _abstract(at) != shape:
+    ids = None if at is not None else sorted(d.id for d in x.devices())
+    on = _show(at) if ids is None else f"devices {ids}"
+    raise _refused(pl, what, f"its arrays on {on}")
+  to = ctx if isinstance(ctx, Mesh) else pl.mesh
+  if traced and isinstance(pl.mesh, Mesh) and to != pl.mesh:
+    raise _refused(pl, what, f"called under jax.jit on {_show(to)}")
+  if traced or at == to or not isinstance(to, Mesh):
+    return state
+  spec = lambda a: getattr(a.sharding, "spec", P())  # scalars: replicated
+  put = lambda a: jax.device_put(a, NamedSharding(to, spec(a)))
+  return jax.tree.map(put, state).replace(placement=pl._replace(mesh=to))
+
+
+def _abstract(mesh: Any) -> Any:
+  return getattr(mesh, "abstract_mesh", mesh)
+
+
+def _refused(pl: base.Placement, what: str, here: str) -> Exception:
+  return WeightedAccumulationError(
+    f"{what}(state): the window is stacked over {pl.axes} on "
+    f"{_show(pl.mesh)}, {here}: call it under its mesh, or "
+    "jax.device_put it onto this one first (outside jax.jit)."
   )
 
 
@@ -204,12 +251,10 @@ def next_window(stacked: AccumState, closed: AccumState) -> AccumState:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any, what: str):
+@functools.partial(jax.jit, static_argnums=1)
+def finish_mean(state: AccumState, axes: Axes, next_loss_scale: Any):
   """``wa.finish_mean`` of a stacked window under plain ``jit``."""
-  glob = to_global(
-    state, axes, layout_.find_mesh([state.weight_hi], axes, what=what)
-  )
+  glob = to_global(state, axes, _abstract(state.placement.mesh))
   out, closed = window.finish(glob, mean=True, next_loss_scale=next_loss_scale)
   return out, next_window(state, closed)
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from weighted_accum._src import validation
-from weighted_accum._src.core import functional
 from weighted_accum._src.core import tree_utils
 from weighted_accum._src.core import window as close
 from weighted_accum._src.errors import WeightedAccumulationError
@@ -23,6 +22,7 @@ from weighted_accum._src.in_step import microbatch_args as margs
 from weighted_accum._src.in_step.value_and_grad import (
   microbatched_value_and_grad,
 )
+from weighted_accum._src.parallel import functional
 from weighted_accum._src.parallel import spmd_layout
 from weighted_accum._src.parallel.spmd_layout import DataParallel
 from weighted_accum._src.planning.packing import Packed
@@ -192,12 +192,15 @@ def _sharded(planned: _Planned, fn: Callable, args: tuple, specs_out) -> Any:
     args[planned.pos] = jax.tree.map(
       lambda x: jax.reshard(x, data), args[planned.pos]
     )
-  return jax.shard_map(
-    fn,
-    mesh=mesh,
-    in_specs=tuple(specs),
-    out_specs=specs_out,
-    axis_names=frozenset(planned.axes),
+  # jit: eagerly this call's program compiled whole, not op by op.
+  return jax.jit(
+    jax.shard_map(
+      fn,
+      mesh=mesh,
+      in_specs=tuple(specs),
+      out_specs=specs_out,
+      axis_names=frozenset(planned.axes),
+    )
   )(*args)
 
 
