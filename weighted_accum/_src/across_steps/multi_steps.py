@@ -386,11 +386,10 @@ class WeightedMultiSteps:
     if self._should_skip is not None:
       seen = _global_grads(grads, w.hi + w.lo, mean) if reduced else grads
       skip, skip_state = self._should_skip(seen, state.gradient_step, params)
-      got = jax.typeof(skip)
-      if (got.dtype, got.shape) != (jnp.bool_, ()):
-        got = got.str_short()
+      got = f"{jnp.result_type(skip)} {np.shape(skip)}"
+      if got != "bool ()":  # a bool scalar
         raise WeightedAccumulationError(
-          f"WeightedMultiSteps(should_skip_update_fn=...): should_skip is {got}, not bool[]."
+          f"WeightedMultiSteps(should_skip_update_fn=...): should_skip is {got}, not bool ()."
         )
       skip = jnp.asarray(skip)
       w = validation.Weight(
