@@ -302,9 +302,9 @@ class WeightedMultiSteps:
     finish, next_ls = self._checked(state, weight, finish, next_loss_scale)
     accum, skip, skip_state = self._add(state, updates, weight, params)
     mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
-    k = self._every_k
-    k = k(state.gradient_step) if callable(k) else k
-    closing = finish if k is None else finish | (mini_step >= k)
+    every = self._every_k
+    every = every(state.gradient_step) if callable(every) else every
+    closing = finish if every is None else finish | (mini_step >= every)
     close = self._branches(state, updates, params, extra_args)
     scaler = state.loss_scaler
     if scaler is not None:  # the next window's scale, from this window's result
