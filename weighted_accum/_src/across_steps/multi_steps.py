@@ -305,7 +305,9 @@ class WeightedMultiSteps:
     every = self._every_k
     every = every(state.gradient_step) if callable(every) else every
     closing = finish if every is None else finish | (mini_step >= every)
-    close = self._branches(state, updates, params, extra_args)
+    close = self._branches(
+      state.acc_grads, state.inner_opt_state, updates, params, extra_args
+    )
     scaler = state.loss_scaler
     if scaler is not None:  # the next window's scale, from this window's result
       next_ls = lambda out: _adjusted(scaler, out).scale
@@ -408,11 +410,12 @@ class WeightedMultiSteps:
       )
     return new, skip, skip_state
 
-  def _branches(self, state, grads, params, extra_args) -> _Close:
+  def _branches(
+    self, buffers, inner_state, grads, params, extra_args
+  ) -> _Close:
     """The close's branches, the inner update's shapes planned abstractly
     (``jax.eval_shape``): the conditional traces the inner update once."""
     inner = functools.partial(self._opt.update, **extra_args)
-    buffers = state.acc_grads
     dtypes = grad_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
     if params is not None:
       p_leaves = tree_utils.match_tree(
@@ -423,7 +426,7 @@ class WeightedMultiSteps:
         for d, p in zip(grad_dtypes, p_leaves)
       ]
     as_grads = tree_utils.cast_to(buffers, grad_dtypes)
-    shapes = jax.eval_shape(inner, as_grads, state.inner_opt_state, params)[0]
+    shapes = jax.eval_shape(inner, as_grads, inner_state, params)[0]
     buf_leaves, buf_def = jax.tree.flatten(buffers)
     upd_leaves, upd_def = jax.tree.flatten(shapes)
     carry = upd_def == buf_def and all(
