@@ -305,7 +305,7 @@ class WeightedMultiSteps:
     every = self._every_k
     every = every(state.gradient_step) if callable(every) else every
     closing = finish if every is None else finish | (mini_step >= every)
-    close = self._branches(
+    close = self._plan(
       state.acc_grads, state.inner_opt_state, updates, params, extra_args
     )
     scaler = state.loss_scaler
@@ -378,9 +378,8 @@ class WeightedMultiSteps:
     w = accumulation.convert_weight(accum, weight, _UPDATE)
     reduced = accum.placement.kind == base.REPLICA
     if reduced:  # w: the global Weight; the contribution a sum already
-      axes = validation.bound_axes(
-        accum.placement.axes, what=f"{_UPDATE}(state)"
-      )
+      axes = accum.placement.axes
+      axes = validation.bound_axes(axes, what=f"{_UPDATE}(state)")
       grads, w = distributed.reduce_microbatch(
         accum, grads, w, axes, mean=mean, what=_UPDATE
       )
@@ -410,9 +409,7 @@ class WeightedMultiSteps:
       )
     return new, skip, skip_state
 
-  def _branches(
-    self, buffers, inner_state, grads, params, extra_args
-  ) -> _Close:
+  def _plan(self, buffers, inner_state, grads, params, extra_args) -> _Close:
     """The close's branches, the inner update's shapes planned abstractly
     (``jax.eval_shape``): the conditional traces the inner update once."""
     inner = functools.partial(self._opt.update, **extra_args)
