@@ -258,3 +258,30 @@ def test_a_result_is_applied_as_what_it_is():
   np.testing.assert_array_equal(np.asarray(reduce(sums)["w"]), [1.0, -2.0])
   with pytest.raises(wa.WeightedAccumulationError, match="finish_sums"):
     reduce(mean)
+
+
+def test_a_hand_built_result_says_what_it_is():
+  """A hand-built AccumulatedGradients has no default kind: without one
+  (or with another word) it is refused; as sums it is refused by
+  apply_window, as a mean applied as given (optax's own SGD step)."""
+  params = {"w": jnp.zeros(2)}
+  fields = dict(
+    grads={"w": jnp.asarray([8.0, -16.0])},
+    weight=jnp.float32(8.0),
+    loss_scale=jnp.float32(1.0),
+    issued=jnp.int32(1),
+    finite=jnp.bool_(True),
+    valid=jnp.bool_(True),
+  )
+  for kind in ({}, {"kind": "Mean"}, {"kind": None}):
+    with pytest.raises(wa.WeightedAccumulationError, match="kind='mean'"):
+      wa.AccumulatedGradients(**fields, **kind)
+  sgd = optax.sgd(1.0)
+  step = lambda o: wa.apply_window(sgd, o, params, sgd.init(params))
+  with pytest.raises(wa.WeightedAccumulationError, match="finish_sums"):
+    step(wa.AccumulatedGradients(**fields, kind="sums"))
+  new, _, _, _ = step(wa.AccumulatedGradients(**fields, kind="mean"))
+  want, _ = sgd.update(fields["grads"], sgd.init(params), params)
+  np.testing.assert_array_equal(
+    new["w"], optax.apply_updates(params, want)["w"]
+  )

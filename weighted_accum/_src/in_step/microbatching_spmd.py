@@ -299,7 +299,7 @@ def _out_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
   grads = jax.tree.unflatten(
     treedef, [layout_.grad_spec(e) for e in lay.leaves]
   )
-  out = AccumulatedGradients(grads, *[P()] * 5)
+  out = AccumulatedGradients(grads, *[P()] * 5, kind="mean")
   if cfg.has_aux:
     return (P(), P(None, layout_.entry(lay.axes))), out
   return P(), out
