@@ -5,9 +5,11 @@ that keep a sharding, and where a newly born state's scalars live.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -29,6 +31,39 @@ class LeafReduce(NamedTuple):
   psum: tuple[str, ...]
   scatter: tuple[str, ...] = ()
   dim: int = 0
+
+
+def reduce_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """A tiled ``psum_scatter`` of ``x`` over ``axes`` on ``dim`` that keeps
+  the Explicit axes of ``x``'s type: run in a ``shard_map`` over those, and
+  where they shard ``dim`` too, the blocks permuted from their order (those
+  axes major) to the data axes' major order, as ``P((*axes, *others))``."""
+  sharding = jax.typeof(x).sharding
+  spec = tuple(sharding.spec)
+  names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
+  others = {a for e in spec for a in names(e)}
+  inner = tuple(names(spec[dim])) if dim < len(spec) else ()
+
+  def scatter(b):
+    b = lax.psum_scatter(b, axes, scatter_dimension=dim, tiled=True)
+    if not inner:
+      return b
+    n_in = math.prod(lax.axis_size(a) for a in inner)
+    n = math.prod(lax.axis_size(a) for a in axes) * n_in
+    # Device (s, o) holds block o * S + s; block c belongs to (c // O, c % O).
+    src = lambda c: (c % (n // n_in)) * n_in + c // (n // n_in)
+    return lax.ppermute(b, axes + inner, [(src(c), c) for c in range(n)])
+
+  if not others:
+    return scatter(x)
+  spec = PartitionSpec(*spec)
+  return jax.shard_map(
+    scatter,
+    mesh=sharding.mesh,
+    in_specs=spec,
+    out_specs=spec,
+    axis_names=others,
+  )(x)
 
 
 def concrete_float(x: Any) -> float | None:

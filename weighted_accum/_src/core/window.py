@@ -154,9 +154,7 @@ def psum_window(
   out = list(leaves)
   for i, p in enumerate(plans):
     if p.scatter:
-      out[i] = lax.psum_scatter(
-        out[i], p.scatter, scatter_dimension=p.dim, tiled=True
-      )
+      out[i] = tree_utils.reduce_scatter(out[i], p.scatter, p.dim)
   groups: dict[Axes, list[int]] = {}
   for i, p in enumerate(plans):
     if p.psum:
