@@ -34,36 +34,26 @@ class LeafReduce(NamedTuple):
 
 
 def reduce_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
-  """A tiled ``psum_scatter`` of ``x`` over ``axes`` on ``dim`` that keeps
-  the Explicit axes of ``x``'s type: run in a ``shard_map`` over those, and
-  where they shard ``dim`` too, the blocks permuted from their order (those
-  axes major) to the data axes' major order, as ``P((*axes, *others))``."""
+  """A tiled ``psum_scatter`` over ``axes`` on ``dim`` that keeps the
+  Explicit axes of ``x``'s type (in a ``shard_map`` over them; those on
+  ``dim`` too are then permuted into the order of ``P((*axes, *them))``)."""
   sharding = jax.typeof(x).sharding
-  spec = tuple(sharding.spec)
+  spec = PartitionSpec(*sharding.spec)
   names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
   others = {a for e in spec for a in names(e)}
   inner = tuple(names(spec[dim])) if dim < len(spec) else ()
 
   def scatter(b):
     b = lax.psum_scatter(b, axes, scatter_dimension=dim, tiled=True)
-    if not inner:
-      return b
-    n_in = math.prod(lax.axis_size(a) for a in inner)
-    n = math.prod(lax.axis_size(a) for a in axes) * n_in
-    # Device (s, o) holds block o * S + s; block c belongs to (c // O, c % O).
-    src = lambda c: (c % (n // n_in)) * n_in + c // (n // n_in)
-    return lax.ppermute(b, axes + inner, [(src(c), c) for c in range(n)])
+    n, o = (math.prod(map(lax.axis_size, a)) for a in (axes, inner))
+    # Device (s, i) holds block i * n + s; block c belongs to (c // o, c % o).
+    perm = [((c % n) * o + c // n, c) for c in range(n * o)]
+    return lax.ppermute(b, axes + inner, perm) if inner else b
 
   if not others:
     return scatter(x)
-  spec = PartitionSpec(*spec)
-  return jax.shard_map(
-    scatter,
-    mesh=sharding.mesh,
-    in_specs=spec,
-    out_specs=spec,
-    axis_names=others,
-  )(x)
+  kw = dict(in_specs=spec, out_specs=spec, axis_names=others)
+  return jax.shard_map(scatter, mesh=sharding.mesh, **kw)(x)
 
 
 def concrete_float(x: Any) -> float | None:
