@@ -323,7 +323,7 @@ def _divisors_one_a_power_of_two(draw):
   return (power, other) if draw(st.booleans()) else (other, power)
 
 
-def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _steps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
   """How many representable values apart ``a`` and ``b`` (same sign) are."""
   ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
   return np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
@@ -366,7 +366,7 @@ def test_the_mean_is_never_flushed_where_it_is_normal(dtype, divisors, data):
   nonzero = keep & (want != 0)
   for g in means:
     assert (g[keep] == 0).tolist() == (want[keep] == 0).tolist(), g
-    assert (_ulps(g[nonzero], want[nonzero]) <= (0 if power else 1)).all(), g
+    assert (_steps(g[nonzero], want[nonzero]) <= (0 if power else 1)).all(), g
 
 
 def test_a_mean_that_fits_is_not_flushed_by_the_divisors():
