@@ -98,7 +98,8 @@ def _shard_like(x: Any, leaf: layout_.Leaf) -> Any:
   size = math.prod(lax.axis_size(a) for a in leaf.scatter)
   shape = list(jnp.shape(x))
   shape[leaf.dim] //= size
-  return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+  typed = jax.typeof(x).sharding  # its Explicit axes kept on the shard
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x), sharding=typed)
 
 
 def _scattered(lay: Layout, state: Any, grads: Any, weight: Any, mean: bool):
@@ -115,9 +116,7 @@ def _scattered(lay: Layout, state: Any, grads: Any, weight: Any, mean: bool):
     c = numerics.mean_contribution(g, w, dt) if mean else g.astype(dt)
     c = jnp.where(take, c, jnp.zeros((), dt))
     if leaf.scatter:
-      c = lax.psum_scatter(
-        c, leaf.scatter, scatter_dimension=leaf.dim, tiled=True
-      )
+      c = tree_utils.reduce_scatter(c, leaf.scatter, leaf.dim)
     out.append(c)
   return jax.tree.unflatten(treedef, out)
 
@@ -223,15 +222,7 @@ def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
       what=f"{_WHAT}(axis_name={axes}): param {path}",
       hint=f"The spec is from {where}.",
     )
-  e = layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
-  others = set().union(*map(layout_.names, spec)) - set(axes) if spec else ()
-  if is_explicit and e.scatter and others:
-    raise WeightedAccumulationError(
-      f"{_WHAT}(axis_name={axes}): param {path} is typed {spec} on an Explicit"
-      f" mesh, over the data axes and {tuple(sorted(others))}: a reduce-scatter"
-      " cannot keep both; use an Auto mesh with DataParallel(param_specs=...)."
-    )
-  return e
+  return layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
 
 
 def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
@@ -299,7 +290,7 @@ def _out_specs(cfg: Any, args: tuple, lay: Layout) -> Any:
   grads = jax.tree.unflatten(
     treedef, [layout_.grad_spec(e) for e in lay.leaves]
   )
-  out = AccumulatedGradients(grads, *[P()] * 5)
+  out = AccumulatedGradients(grads, *[P()] * 5, kind="mean")
   if cfg.has_aux:
     return (P(), P(None, layout_.entry(lay.axes))), out
   return P(), out
