@@ -59,6 +59,11 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--out", type=Path, help="results folder")
   p.add_argument(
+    "--calibrate",
+    action="store_true",
+    help="with planning: fit PlanSpec's cost model on this machine, print it",
+  )
+  p.add_argument(
     "--tuned-allocator",
     action="store_true",
     help="re-run with glibc settings that keep freed memory (Linux CPU)",
@@ -168,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["XLA_FLAGS"] = flags.strip()
   import jax
 
+  if args.calibrate:
+    if names != ["planning"]:
+      p.error("--calibrate goes with the planning family alone")
+    from benchmarks import planning
+
+    planning.calibrate(_settings(args))
+    return 0
   cfg, out_dir = _settings(args), _out_dir(args)
   allocator = "default"
   if tuned:

@@ -1,18 +1,25 @@
-"""Microbatch plans against padding: real tokens per second of one step.
+"""Packing plans against what users would pick instead, in one run.
 
-A 2-layer decoder LM (width 128, 4 heads, causal L x L attention, byte
-vocabulary) takes 64-row batches of variable-length rows. The baseline pads
-every row to 512 and runs ``wa.microbatched_value_and_grad`` at K = 8 (8
-rows x 512 = a budget of 4,096 tokens per microbatch); the planned step
-plans each batch with ``weighted_accum.planning`` (budget 4,096, buckets 32
-to 512) and runs every shape into one window. Two length distributions:
-lognormal (median 60, sigma 1, clipped to [8, 512]) and the real-text
-corpus's documents (``examples/stdlib_lm``, truncated to 512). Per
-distribution, one run: paired time per batch, real tokens/s, padded / real
-tokens, plan + pack time, executables compiled over 50 batches and XLA's
-compiled memory (arguments + outputs + temporaries) of both steps. Each
-step is compiled once, for the first batch, and that executable runs every
-batch: the 50 batches share one signature (what `jax.jit` compiles for).
+A 2-layer decoder LM (widths 128 and 256, 4 heads, L x L attention masked
+causal, and by segment on packed rows; byte vocabulary) takes 64-row
+batches of variable-length rows. Methods, on the same batches, interleaved
+(each round runs every method on one batch): padding every row to 512 at
+K = 8 microbatches (``wa.microbatched_value_and_grad``); first-fit packing
+into rows of 512 (Grain's ``FirstFitPackIterDataset`` on the rows sorted
+longest first), in microbatches of 8 and of 2 packed rows, each weighted
+by its real tokens, only the filled microbatches run; the plan without
+packing (buckets 32 to 512, the default sub-shapes); and the packing plan
+(``PlanSpec.from_lengths(..., pack=True)`` on a separate sample of the
+distribution, at most 3 shapes). Lengths: lognormal (median 60, sigma 1,
+clipped to [8, 512]), the standard library's docstrings (one per row,
+bytes, cut at 512) and, at width 128, the real-text corpus's documents
+(``examples/stdlib_lm``, cut at 512). Per distribution: real tokens/s of the
+packing plan over each method (median of paired ratios), padded / real
+tokens, the fresh plan + pack time (best of 5 per batch, median), compile
+seconds (lowering and compiling), XLA's compiled memory (arguments +
+outputs + temporaries) and the bytes a batch sends to the device. Each step
+is compiled once, for the first batch; the 50 batches share one signature.
+``--calibrate`` fits ``PlanSpec.cost`` on this machine instead.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from benchmarks import report
 import weighted_accum as wa
 from weighted_accum import planning
 
-TITLE = "Microbatch plans vs padding to the longest row"
+TITLE = "Packing plans vs padding, first-fit packing and plans"
 SIZES = {
   "smoke": dict(dim=16, layers=1, heads=2, rows=16, top=64, budget=256, runs=2),
   "default": dict(
@@ -56,26 +63,36 @@ def _params(c, seed=0):
 
 
 def _loss_fn(heads):
-  def token_nll(p, tokens, targets):
+  def token_nll(p, tokens, targets, segments=None, positions=None):
     b, t = tokens.shape
-    x = p["emb"][tokens] + p["pos"][:t]
+    at = jnp.arange(t) if positions is None else positions
+    x = p["emb"][tokens] + p["pos"][at]
+    mask = None  # packed rows: causal AND same segment
+    if segments is not None:
+      same = segments[:, :, None] == segments[:, None, :]
+      mask = (same & jnp.tri(t, dtype=bool))[:, None]
     for lp in p["layers"]:
       q, k, v = jnp.split(x @ lp["qkv"], 3, -1)
       q, k, v = (a.reshape(b, t, heads, -1) for a in (q, k, v))
-      att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      att = jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=mask is None
+      )
       x = x + att.reshape(b, t, -1) @ lp["o"]
       x = x + jax.nn.gelu(x @ lp["up"]) @ lp["down"]
     logp = jax.nn.log_softmax(x @ p["out"])
     return -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
 
-  def padded(p, batch):  # the baseline: rows padded to the top length
-    nll = token_nll(p, batch["tokens"], batch["targets"])
+  def padded(p, batch):  # padded rows, or packed rows with their segments
+    nll = token_nll(
+      p, batch["tokens"], batch["targets"],
+      batch.get("segments"), batch.get("positions"),
+    )  # fmt: skip
     return jnp.sum(nll * batch["mask"]), batch["mask"].sum()
 
   def planned(p, mb):
-    rows, mask = mb
-    nll = token_nll(p, rows["tokens"], rows["targets"])
-    return jnp.sum(nll * mask), mask.sum()
+    seg = (mb.segment_ids, mb.positions) if len(mb) == 4 else ()
+    nll = token_nll(p, mb.rows["tokens"], mb.rows["targets"], *seg)
+    return jnp.sum(nll * mb.mask), mb.mask.sum()
 
   return padded, planned
 
@@ -104,6 +121,56 @@ def _real_text(c, rng):
   return np.clip(rng.choice(docs, c["rows"]), 1, c["top"])
 
 
+def _docstrings(c, rng):
+  """The standard library's docstrings, one per row, in bytes."""
+  if "docstrings" not in _DOCS:
+    import ast  # pylint: disable=g-import-not-at-top
+
+    _real_text(c, rng)  # puts examples/ on the path
+    from stdlib_lm import data  # pylint: disable=g-import-not-at-top
+
+    found = []
+    for _, text in data.stdlib_sources():
+      try:
+        tree = ast.parse(text)
+      except (SyntaxError, ValueError):
+        continue
+      for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module)):
+          doc = ast.get_docstring(node)
+          found += [len(doc.encode())] if doc else []
+    _DOCS["docstrings"] = np.asarray(found, np.int64)
+  return np.clip(rng.choice(_DOCS["docstrings"], c["rows"]), 1, c["top"])
+
+
+def _first_fit(rows, lengths, top, nbins):
+  """Plain packing, the baseline: the rows sorted longest first, packed
+  first-fit into ``nbins`` rows of ``top`` (Grain's packer), with segment
+  ids, positions and the mask; and the rows used."""
+  import grain  # pylint: disable=g-import-not-at-top
+
+  order = np.argsort(-lengths, kind="stable")
+  source = [{k: rows[k][i, : lengths[i]] for k in rows} for i in order]
+  bins = list(
+    grain.experimental.FirstFitPackIterDataset(
+      grain.MapDataset.source(source).to_iter_dataset(),
+      length_struct={k: top for k in rows},
+      num_packing_bins=nbins,
+      shuffle_bins=False,
+    )
+  )
+  out = {k: np.zeros((nbins, top), np.int32) for k in rows}
+  out["segments"] = np.zeros((nbins, top), np.int32)
+  out["positions"] = np.zeros((nbins, top), np.int32)
+  for i, b in enumerate(bins):
+    for k in rows:
+      out[k][i] = b[k]
+    out["segments"][i] = b["tokens_segment_ids"]
+    out["positions"][i] = b["tokens_positions"]
+  out["mask"] = (out["segments"] > 0).astype(np.float32)
+  return out, len(bins)
+
+
 def _batch(lengths, top, rng):
   tokens = rng.integers(0, VOCAB, (len(lengths), top)).astype(np.int32)
   targets = rng.integers(0, VOCAB, (len(lengths), top)).astype(np.int32)
@@ -112,10 +179,13 @@ def _batch(lengths, top, rng):
 
 
 def _compiled(cache, key, fn, *args):
-  """``fn`` compiled once for ``args``' signature (shared by the runs) and
-  its compiled bytes: arguments + outputs + temporaries, temporaries."""
+  """``fn`` compiled once for ``args``' signature (shared by the runs): the
+  executable, its compiled bytes (arguments + outputs + temporaries),
+  temporaries, and the seconds lowering and compiling took."""
   if key not in cache:
+    t0 = time.perf_counter()
     exe = fn.lower(*args).compile()
+    seconds = time.perf_counter() - t0
     m = exe.memory_analysis()
     peak = (
       m.argument_size_in_bytes
@@ -123,7 +193,7 @@ def _compiled(cache, key, fn, *args):
       - m.alias_size_in_bytes
       + m.temp_size_in_bytes
     )
-    cache[key] = exe, int(peak), int(m.temp_size_in_bytes)
+    cache[key] = exe, int(peak), int(m.temp_size_in_bytes), seconds
   return cache[key]
 
 
@@ -138,153 +208,236 @@ def _steps(c):
   padded, planned = _loss_fn(c["heads"])
   base = jax.jit(wa.microbatched_value_and_grad(padded, 8, mode="sum"))
   step = jax.jit(planning.planned_value_and_grad(planned, spec, mode="sum"))
-  return spec, base, step, {}
+  packs = {  # first-fit packed rows, r per microbatch, the filled ones run
+    r: jax.jit(
+      wa.microbatched_value_and_grad(
+        padded, c["rows"] // r, mode="sum", split="contiguous"
+      )
+    )
+    for r in (8, 2)
+  }
+  return spec, base, step, packs, {}
+
+
+def _packed_spec(c, draw):
+  """The packing plan's spec, chosen from a sample of the distribution."""
+  sample = np.concatenate(
+    [draw(c, np.random.default_rng(100 + i)) for i in range(8)]
+  )
+  return planning.PlanSpec.from_lengths(
+    sample, budget=c["budget"], batch_rows=c["rows"], pack=True,
+    cost=(1.0, 1.0 / (6 * c["dim"])), longest=c["top"],
+  )  # fmt: skip
+
+
+def _prepare(c, draw, specs, rng):
+  """One batch, ready for every method, and the fresh plan + pack ms."""
+  lengths = draw(c, rng)
+  rows, mask = _batch(lengths, c["top"], rng)
+  args, ms = {"padded": dict(rows, mask=mask)}, {}
+  for key, spec in specs.items():
+    best = float("inf")
+    for _ in range(5):  # best of 5: the machine may be shared
+      t0 = time.perf_counter()
+      args[key] = planning.plan_batch(spec, rows, lengths)
+      best = min(best, (time.perf_counter() - t0) * 1e3)
+    ms[key] = best
+  packed, bins = _first_fit(rows, lengths, c["top"], c["rows"])
+  for r in (8, 2):
+    args[f"packed, {r} rows"] = (packed, np.int32(-(-bins // r)))
+  return lengths, args, ms, bins
 
 
 def _distribution(c, name, draw, cfg, steps) -> dict:
   rng = np.random.default_rng(0)
-  spec, base, step, cache = steps
-  params = _params(c)
-  batches, plan_ms = [], []
-  for _ in range(50):  # 50 batches: plan + pack time, compiles
-    lengths = draw(c, rng)
-    rows, mask = _batch(lengths, c["top"], rng)
-    best = float("inf")
-    for _ in range(5):  # best of 5: the machine may be shared
-      t0 = time.perf_counter()
-      packed = planning.plan_batch(spec, rows, lengths)
-      best = min(best, (time.perf_counter() - t0) * 1e3)
-    plan_ms.append(best)
-    batches.append((lengths, dict(rows, mask=mask), packed))
-  avals = {jax.tree.structure(b[2]) for b in batches}
-  shapes = {
-    tuple((x.shape, x.dtype) for x in jax.tree.leaves(b[2])) for b in batches
+  spec, base, step, packs, cache = steps
+  pspec = _packed_spec(c, draw)
+  specs = {"planned": spec, "planned, packed": pspec}
+  fns = {
+    "padded": base,
+    "planned": step,
+    "planned, packed": jax.jit(
+      planning.planned_value_and_grad(
+        _loss_fn(c["heads"])[1], pspec, mode="sum"
+      )
+    ),
   }
-  b0 = batches[0]
-  base, mem_base, tmp_base = _compiled(cache, "padded", base, params, b0[1])
-  step, mem_plan, tmp_plan = _compiled(cache, "planned", step, params, b0[2])
+  for r, f in packs.items():
+    fns[f"packed, {r} rows"] = jax.jit(
+      lambda p, b, f=f: f(p, b[0], num_real_microbatches=b[1])
+    )
+  params = _params(c)
+  batches = [_prepare(c, draw, specs, rng) for _ in range(50)]
+  b0 = batches[0][1]
+  exes = {
+    k: _compiled(cache, (k, name), f, params, b0[k]) for k, f in fns.items()
+  }
   runs = cfg.runs or c["runs"]
-  times = {"padded": [], "planned": []}
-  for i in range(runs + 1):  # paired: the same batch, both steps
-    lengths, rows, packed = batches[i]
-    for key, fn, arg in (("padded", base, rows), ("planned", step, packed)):
+  times = {k: [] for k in fns}
+  for i in range(runs + 1):  # interleaved: the same batch, every method
+    lengths, args = batches[i][:2]
+    for key, exe in exes.items():
       t0 = time.perf_counter()
-      jax.block_until_ready(fn(params, arg))
+      jax.block_until_ready(exe[0](params, args[key]))
       if i:  # the first round warms up
         times[key].append((time.perf_counter() - t0) / lengths.sum())
-  used = [
-    sum(r * l * n for (r, l), n in zip(spec.shapes, b[2].counts[0]))
+  real = [int(b[0].sum()) for b in batches]
+  used = lambda k, sp: [
+    sum(r * n * m for (r, n), m in zip(sp.shapes, b[1][k].counts[0]))
     for b in batches
   ]
-  real = [int(b[0].sum()) for b in batches]
-  ratio = np.median(np.array(times["padded"]) / np.array(times["planned"]))
+  mine = np.array(times["planned, packed"])
+  sig = {
+    tuple((x.shape, x.dtype) for x in jax.tree.leaves(b[1]["planned, packed"]))
+    for b in batches
+  }
+  nbytes = lambda k: sum(
+    np.asarray(x).nbytes for x in jax.tree.leaves(batches[0][1][k])
+  )
   return dict(
     distribution=name,
-    tokens_per_s_ratio=float(ratio),
-    planned_tokens_per_s=float(1 / np.median(times["planned"])),
-    padded_tokens_per_s=float(1 / np.median(times["padded"])),
-    padded_over_real=float(np.sum(used) / np.sum(real)),
-    baseline_padded_over_real=float(
-      c["rows"] * c["top"] * len(real) / np.sum(real)
-    ),
-    plan_pack_ms=float(np.median(plan_ms)),
-    plan_pack_ms_p95=float(np.percentile(plan_ms, 95)),
-    distinct_signatures=len(avals) * len(shapes),
-    memory_ratio=mem_plan / mem_base,
-    temp_ratio=tmp_plan / tmp_base,
-    memory_bytes=dict(
-      planned=mem_plan,
-      padded=mem_base,
-      planned_temp=tmp_plan,
-      padded_temp=tmp_base,
-    ),
+    dim=c["dim"],
     shapes=len(spec.shapes),
+    packed_shapes=[list(s) for s in pspec.shapes],
+    ratios={  # real tokens/s of the packing plan over each method's
+      k: float(np.median(np.array(t) / mine)) for k, t in times.items()
+    },
+    tokens_per_s={k: float(1 / np.median(t)) for k, t in times.items()},
+    padded_over_real={
+      "planned": float(np.sum(used("planned", spec)) / np.sum(real)),
+      "planned, packed": float(
+        np.sum(used("planned, packed", pspec)) / np.sum(real)
+      ),
+      "packed": float(
+        np.mean([b[3] for b in batches]) * c["top"] / np.mean(real)
+      ),
+      "padded": float(c["rows"] * c["top"] * len(real) / np.sum(real)),
+    },
+    compile_s={k: e[3] for k, e in exes.items()},
+    memory_bytes={k: e[1] for k, e in exes.items()},
+    temp_bytes={k: e[2] for k, e in exes.items()},
+    transfer_bytes={k: nbytes(k) for k in fns},
+    plan_pack_ms={
+      k: float(np.median([b[2][k] for b in batches])) for k in specs
+    },
+    distinct_signatures=len(sig),
   )
+
+
+def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
+  """Fits ``PlanSpec.cost`` on this machine and prints it: the benchmark's
+  LM, ``K`` microbatches of a few ``(rows, length)`` shapes per step, timed
+  (median of runs); least squares of the step's time on ``K rows L`` (per
+  token), ``K rows L^2`` (per pair), ``K`` (per microbatch) and 1 (the
+  step's own fixed cost), in units of the per-token term."""
+  c = SIZES["smoke" if cfg.smoke else "default"]
+  top, params = c["top"], _params(c)
+  loss = _loss_fn(c["heads"])[0]
+  rows, times = [], []
+  for r, n in ((1, top // 16), (16, top // 16), (1, top // 4), (4, top // 4),
+               (1, top), (2, top)):  # fmt: skip
+    for k in (1, 4):
+      lengths = np.full(k * r, n)
+      batch, mask = _batch(lengths, n, np.random.default_rng(0))
+      f = jax.jit(wa.microbatched_value_and_grad(loss, k, mode="sum"))
+      args = (params, dict(batch, mask=mask))
+      jax.block_until_ready(f(*args))
+      runs = []
+      for _ in range(cfg.runs or 5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        runs.append(time.perf_counter() - t0)
+      rows.append([k * r * n, k * r * n * n, k, 1.0])
+      times.append(np.median(runs))
+  fit = np.linalg.lstsq(np.asarray(rows), np.asarray(times), rcond=None)[0]
+  a, b, o = np.maximum(fit[:3], 0.0)
+  cost = (1.0, float(b / a), float(o / a))
+  print(f"per token {a * 1e9:.1f} ns, per pair {b * 1e9:.3f} ns, per "
+        f"microbatch {o * 1e6:.0f} us, per step {fit[3] * 1e6:.0f} us")  # fmt: skip
+  print(f"PlanSpec(..., cost=({cost[0]}, {cost[1]:.4g}, {cost[2]:.4g}))")
+  return cost
+
+
+def _targets(r) -> list[dict]:
+  """The figures of one distribution against their targets."""
+  where, x = f"{r['distribution']}, d={r['dim']}", r["ratios"]
+  best = min(x["packed, 8 rows"], x["packed, 2 rows"])
+  floor = 1.15 if r["distribution"] == "lognormal" else 1.0
+  pk, pad = "planned, packed", "padded"
+  out = [
+    h.target("best packing / packing plan, time per real token", 1 / best,
+             1 / floor, where=where, note=f"{best:.2f}x tokens/s"),
+    h.target("compile s, packing plan / packed (2 rows)",
+             r["compile_s"][pk] / r["compile_s"]["packed, 2 rows"], 3.0,
+             where=where),
+    h.target("compiled memory, packing plan / padded",
+             r["memory_bytes"][pk] / r["memory_bytes"][pad], 1.02,
+             where=where),
+    h.target("transfer bytes, packing plan / padded",
+             r["transfer_bytes"][pk] / r["transfer_bytes"][pad], 2.0,
+             where=where),
+    h.target("plan + pack ms per batch (median of best of 5)",
+             r["plan_pack_ms"][pk], 2.0, where=where),
+    h.target("signatures over 50 batches", r["distinct_signatures"], 1,
+             where=where),
+  ]  # fmt: skip
+  if r["distribution"] == "lognormal":
+    out.append(
+      h.target("padded / packing plan, time per real token", 1 / x[pad],
+               1 / 4, where=where, note=f"{x[pad]:.2f}x tokens/s")
+    )  # fmt: skip
+  return out
 
 
 def run(cfg: h.Settings) -> dict:
   c = SIZES["smoke" if cfg.smoke else "default"]
-  steps = _steps(c)
-  rows = [
-    _distribution(c, "lognormal", _lognormal, cfg, steps),
-    _distribution(c, "real text", _real_text, cfg, steps),
-  ]
-  lo, text = rows
-  targets = [
-    h.target(
-      "padded / planned time per real token",
-      1 / lo["tokens_per_s_ratio"],
-      1 / 3,
-      where="lognormal",
-      note=f"{lo['tokens_per_s_ratio']:.2f}x tokens/s",
-    ),
-    h.target(
-      "planned padded / real tokens",
-      lo["padded_over_real"],
-      1.6,
-      where="lognormal",
-    ),
-    h.target(
-      "padded / planned time per real token",
-      1 / text["tokens_per_s_ratio"],
-      1 / 1.15,
-      where="real text",
-      note=f"{text['tokens_per_s_ratio']:.2f}x tokens/s",
-    ),
-  ]
-  for r in rows:
-    where = r["distribution"]
-    targets += [
-      h.target(
-        "compiled memory, planned / padded",
-        r["memory_ratio"],
-        1.02,
-        where=where,
-        note=f"temporaries {r['temp_ratio']:.3f}",
-      ),
-      h.target(
-        "signatures over 50 batches", r["distinct_signatures"], 1, where=where
-      ),
-      h.target(
-        "plan + pack ms per batch (median of best of 5)",
-        r["plan_pack_ms"],
-        1.0,
-        where=where,
-      ),
+  rows = []
+  for dim in (c["dim"],) if cfg.smoke else (128, 256):  # widths
+    w = dict(c, dim=dim)
+    steps = _steps(w)
+    rows += [
+      _distribution(w, "lognormal", _lognormal, cfg, steps),
+      _distribution(w, "docstrings", _docstrings, cfg, steps),
     ]
-  return dict(config=c, rows=rows, targets=targets)
+    if dim == 128 or cfg.smoke:
+      rows.append(_distribution(w, "real text", _real_text, cfg, steps))
+  return dict(config=c, rows=rows, targets=sum(map(_targets, rows), []))
+
+
+METHODS = ("padded", "packed, 8 rows", "packed, 2 rows", "planned")
 
 
 def markdown(result: dict) -> list[str]:
-  head = [
-    "lengths",
-    "tokens/s planned / padded",
-    "planned tok/s",
-    "padded tok/s",
-    "padded/real planned",
-    "padded/real padded",
-    "plan+pack ms",
-    "memory planned / padded",
+  head = ["lengths", "shapes"] + [
+    f"tokens/s packing plan / {m}" for m in METHODS
   ]
-  rows = [
-    [
-      r["distribution"],
-      f"{r['tokens_per_s_ratio']:.2f}x",
-      f"{r['planned_tokens_per_s']:.0f}",
-      f"{r['padded_tokens_per_s']:.0f}",
-      f"{r['padded_over_real']:.2f}",
-      f"{r['baseline_padded_over_real']:.2f}",
-      f"{r['plan_pack_ms']:.2f}",
-      f"{r['memory_ratio']:.3f}",
-    ]
-    for r in result["rows"]
-  ]
-  return ["## Results", ""] + report.table(head, rows, "lrrrrrrr") + [""]
+  head += ["compile s (plan, packed 2)", "memory / padded",
+           "transfer / padded", "padded/real (plan, packed, padded)",
+           "plan+pack ms"]  # fmt: skip
+  pk = "planned, packed"
+  rows = []
+  for r in result["rows"]:
+    por, c = r["padded_over_real"], r["compile_s"]
+    rows.append(
+      [f"{r['distribution']}, d={r['dim']}", str(r["packed_shapes"])]
+      + [f"{r['ratios'][m]:.2f}x" for m in METHODS]
+      + [
+        f"{c[pk]:.1f} / {c['packed, 2 rows']:.1f}",
+        f"{r['memory_bytes'][pk] / r['memory_bytes']['padded']:.3f}",
+        f"{r['transfer_bytes'][pk] / r['transfer_bytes']['padded']:.2f}",
+        f"{por[pk]:.2f} / {por['packed']:.2f} / {por['padded']:.2f}",
+        f"{r['plan_pack_ms'][pk]:.2f}",
+      ]
+    )
+  return ["## Results", ""] + report.table(head, rows) + [""]
 
 
 def figure(result: dict, path) -> bool:
   bars = [
-    (r["distribution"], "tokens/s, planned / padded", r["tokens_per_s_ratio"])
+    (f"{r['distribution']}, d={r['dim']}", f"over {m}", r["ratios"][m])
     for r in result["rows"]
+    for m in METHODS
   ]
-  return report.bar_figure(path, TITLE, bars, "ratio to padding (K = 8)")
+  return report.bar_figure(
+    path, TITLE, bars, "real tokens/s, packing plan / method"
+  )

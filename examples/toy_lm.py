@@ -96,11 +96,24 @@ class TinyLM(nnx.Module):
     self.mlp_out = nnx.Linear(4 * dim, dim, rngs=rngs)
     self.head = nnx.Linear(dim, VOCAB, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
-    length = tokens.shape[1]
-    x = self.embed(tokens) + self.pos[:length]
-    causal = nnx.make_causal_mask(tokens)
-    x = x + self.attn(self.norm1(x), mask=causal)
+  def __call__(
+    self,
+    tokens: jax.Array,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
+    """Logits ``[B, L, VOCAB]``. Packed rows (``segment_ids``, 0 on
+    padding, and ``positions`` restarting at 0 per segment, as a packing
+    plan gives them): attention is masked by causal AND same segment, so
+    each segment computes what it would alone."""
+    if positions is None:
+      positions = jnp.arange(tokens.shape[1])
+    x = self.embed(tokens) + self.pos[positions]
+    mask = nnx.make_causal_mask(tokens)
+    if segment_ids is not None:
+      same = nnx.make_attention_mask(segment_ids, segment_ids, jnp.equal)
+      mask = nnx.combine_masks(mask, same)
+    x = x + self.attn(self.norm1(x), mask=mask)
     x = x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x))))
     return self.head(x)
 

@@ -7,12 +7,13 @@ the full-batch gradient whatever the split.
 
 The public surface (version 1.0, frozen: later changes go through
 deprecation): this namespace, :mod:`weighted_accum.distributed` (data
-parallelism), :mod:`weighted_accum.checkpoint` (Orbax), :mod:`.planning`.
+parallelism), :mod:`weighted_accum.checkpoint` (Orbax, imported on first
+use: ``import weighted_accum`` loads no Orbax), :mod:`.planning`.
 """
 
+import importlib as _importlib
 from importlib import metadata as _metadata
 
-from weighted_accum import checkpoint
 from weighted_accum import distributed
 from weighted_accum import planning
 from weighted_accum._src import validation as _validation
@@ -112,4 +113,9 @@ __all__ = (
   "window_counters",
 )
 
-__getattr__ = _validation.removed_attribute(__name__)
+
+def __getattr__(name: str):
+  """Loads the Orbax namespace ``checkpoint`` on first use."""
+  if name == "checkpoint":
+    return _importlib.import_module(f"{__name__}.checkpoint")
+  return _validation.removed_attribute(__name__)(name)

@@ -175,6 +175,20 @@ def test_should_skip_update_fn_skips_one_microbatch_and_counts_it():
   )
 
 
+def test_should_skip_that_is_not_a_bool_scalar_is_refused_by_name():
+  """A verdict per element is refused naming the option and what it gave."""
+  per_leaf = lambda g, step, p: (jnp.isnan(g["w"]), ())
+  tx = wa.WeightedMultiSteps(
+    optax.sgd(1.0), 2, should_skip_update_fn=per_leaf, mode="mean"
+  )
+  params = {"w": jnp.zeros(2)}
+  with pytest.raises(
+    wa.WeightedAccumulationError,
+    match=r"should_skip_update_fn=\.\.\.\): should_skip is bool \(2,\)",
+  ):
+    tx.update({"w": jnp.ones(2)}, tx.init(params), params, weight=1.0)
+
+
 def test_inject_hyperparams_learning_rate_read_and_changed_under_jit():
   tx = wa.WeightedMultiSteps(
     optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 2, mode="mean"

@@ -719,3 +719,22 @@ def test_readme_checkpoint_example_runs(capsys):
   code = section.split("```python\n")[1].split("```")[0]
   exec(compile(code, "README checkpoint", "exec"), {})  # pylint: disable=exec-used
   assert capsys.readouterr().out.split() == ["1", "7.0", "bfloat16"]
+
+
+def test_import_loads_no_orbax_until_the_checkpoint_namespace_is_used():
+  code = (
+    "import sys, weighted_accum as wa\n"
+    "assert not any(m.startswith('orbax') for m in sys.modules)\n"
+    "assert wa.checkpoint.AccumSave.__name__ == 'AccumSave'\n"
+    "assert 'orbax.checkpoint' in sys.modules\n"
+    "from weighted_accum.checkpoint import abstract_state\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    env=_child_env(1),
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=False,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]

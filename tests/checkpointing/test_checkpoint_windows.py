@@ -315,7 +315,7 @@ def test_nonzero_buffers_of_a_zero_weight_replica_are_refused(
   grads = jax.tree.map(lambda b: b.at[1].set(1.0), state.grads)
   _save_unchecked(tmp_path / "accum", state.replace(grads=grads), monkeypatch)
   template = wa.checkpoint.abstract_state(params, BF16, axis_name="data")
-  with pytest.raises(Error, match="non-zero on replica 1.*weight is 0"):
+  with pytest.raises(Error, match="replica 1: the total weight is 0.*non-zero"):
     _restore(tmp_path / "accum", template)
 
 

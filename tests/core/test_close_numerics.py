@@ -7,6 +7,8 @@ mean, optax's own SGD step, and bit patterns computed with NumPy/ml_dtypes.
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -258,3 +260,124 @@ def test_a_result_is_applied_as_what_it_is():
   np.testing.assert_array_equal(np.asarray(reduce(sums)["w"]), [1.0, -2.0])
   with pytest.raises(wa.WeightedAccumulationError, match="finish_sums"):
     reduce(mean)
+
+
+def test_a_hand_built_result_says_what_it_is():
+  """A hand-built AccumulatedGradients has no default kind: without one
+  (or with another word) it is refused; as sums it is refused by
+  apply_window, as a mean applied as given (optax's own SGD step)."""
+  params = {"w": jnp.zeros(2)}
+  fields = dict(
+    grads={"w": jnp.asarray([8.0, -16.0])},
+    weight=jnp.float32(8.0),
+    loss_scale=jnp.float32(1.0),
+    issued=jnp.int32(1),
+    finite=jnp.bool_(True),
+    valid=jnp.bool_(True),
+  )
+  for kind in ({}, {"kind": "Mean"}, {"kind": None}):
+    with pytest.raises(wa.WeightedAccumulationError, match="kind='mean'"):
+      wa.AccumulatedGradients(**fields, **kind)
+  sgd = optax.sgd(1.0)
+  step = lambda o: wa.apply_window(sgd, o, params, sgd.init(params))
+  with pytest.raises(wa.WeightedAccumulationError, match="finish_sums"):
+    step(wa.AccumulatedGradients(**fields, kind="sums"))
+  new, _, _, _ = step(wa.AccumulatedGradients(**fields, kind="mean"))
+  want, _ = sgd.update(fields["grads"], sgd.init(params), params)
+  np.testing.assert_array_equal(
+    new["w"], optax.apply_updates(params, want)["w"]
+  )
+
+
+# ----------------------------------------- the mean rounded once, exactly --
+
+
+def _normal_or_zero(dtype, sign=True):
+  """Values of ``dtype`` built from their bit fields: 0 or a normal number
+  of any binade (the edges included), any mantissa."""
+  fi = ml_dtypes.finfo(np.dtype(dtype))
+  top = (1 << fi.nexp) - 2  # the largest normal exponent field
+
+  def build(fields):
+    s, e, m = fields
+    bits = (s << (fi.nexp + fi.nmant)) | (e << fi.nmant) | m
+    uint = np.uint32 if fi.bits == 32 else np.uint16
+    return np.asarray(bits, uint).view(np.dtype(dtype))
+
+  exponent = st.one_of(
+    st.sampled_from([0, 1, 2, top - 1, top]), st.integers(1, top)
+  )
+  mantissa = st.integers(0, (1 << fi.nmant) - 1)
+  fields = st.tuples(st.integers(0, int(sign)), exponent, mantissa)
+  return fields.map(lambda f: build(f if f[1] else (f[0], 0, 0)))
+
+
+@st.composite
+def _divisors_one_a_power_of_two(draw):
+  """A usable loss scale and a weight, float32 normal, one a power of two
+  (the other too, sometimes: their product is then a power of two)."""
+  power = 2.0 ** draw(st.integers(-126, 127))
+  other = 2.0 ** draw(st.integers(-126, 127))
+  if draw(st.booleans()):
+    other = float(draw(_normal_or_zero(F32, sign=False).filter(bool)))
+  return (power, other) if draw(st.booleans()) else (other, power)
+
+
+def _steps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """How many representable values apart ``a`` and ``b`` (same sign) are."""
+  ints = {2: np.int16, 4: np.int32}[a.dtype.itemsize]
+  return np.abs(a.view(ints).astype(np.int64) - b.view(ints).astype(np.int64))
+
+
+@given(
+  dtype=st.sampled_from([F32, F16, BF16]),
+  divisors=_divisors_one_a_power_of_two(),
+  data=st.data(),
+)
+def test_the_mean_is_never_flushed_where_it_is_normal(dtype, divisors, data):
+  """Where the loss scale or the weight is a power of two (scale 1, a
+  DynamicLossScale from a power of two with its default factors), their
+  product is exact by exponent arithmetic, so wherever the float64
+  quotient ``sums / (scale * weight)`` rounded to the work dtype is a
+  normal number (or 0), however far the divisors lie from 1, the mean is
+  that number, or its neighbour (a reciprocal multiplied: no division per
+  element, which would cost a parameter-sized temporary in apply_window),
+  and exactly that number when the product is a power of two; eagerly,
+  under jit and through apply_window."""
+  scale, weight = divisors
+  sums = data.draw(st.lists(_normal_or_zero(dtype), min_size=4, max_size=4))
+  sums = np.asarray(sums, np.dtype(dtype))
+  q = np.asarray(sums, np.float64) / (scale * weight)  # the product is exact
+  with np.errstate(over="ignore"):
+    want = q.astype(np.dtype(dtype))
+  fi = ml_dtypes.finfo(np.dtype(dtype))
+  keep = (want == 0) & (q == 0) | (np.abs(want) >= fi.tiny) & np.isfinite(want)
+  power = np.frexp(scale * weight)[0] == 0.5
+  state = wa.init({"w": jnp.zeros(4, dtype)}, dtype=dtype, loss_scale=scale)
+  state = wa.accumulate_sum(state, {"w": jnp.asarray(sums)}, weight)
+  params = {"w": jnp.zeros(4, dtype)}
+  sgd = optax.sgd(1.0)
+  step = jax.jit(lambda s: wa.apply_window(sgd, s, params, sgd.init(params)))
+  got = [wa.finish_mean(state)[0], jax.jit(wa.finish_mean)(state)[0]]
+  means = [np.asarray(out.grads["w"]) for out in got]
+  if keep.all():  # valid: applied (an invalid window is not)
+    assert all(bool(out.valid) for out in got)
+    means.append(-np.asarray(step(state)[0]["w"]))
+  nonzero = keep & (want != 0)
+  for g in means:
+    assert (g[keep] == 0).tolist() == (want[keep] == 0).tolist(), g
+    assert (_steps(g[nonzero], want[nonzero]) <= (0 if power else 1)).all(), g
+
+
+def test_a_mean_that_fits_is_not_flushed_by_the_divisors():
+  """Loss scale 2**20, weight 2**-20: the divisors' product is 1 and the
+  mean of sums [2**-110, 1] is [2**-110, 1] (dividing by 2**20 first went
+  through 2**-130, below float32's normal range, and gave 0)."""
+  state = wa.init({"w": jnp.zeros(2)}, loss_scale=2.0**20)
+  state = wa.accumulate_sum(
+    state, {"w": jnp.asarray([2.0**-110, 1.0])}, 2.0**-20
+  )
+  for fn in (wa.finish_mean, jax.jit(wa.finish_mean)):
+    out, _ = fn(state)
+    np.testing.assert_array_equal(np.asarray(out.grads["w"]), [2.0**-110, 1.0])
+    assert bool(out.valid)

@@ -210,9 +210,10 @@ def test_optax_accumulator_aggregate_per_example():
 @pytest.mark.parametrize("size", [2, 4])
 def test_optax_accumulator_rejection_never_reads_as_weight_0(fn, size):
   """With ``microbatch_size``, a microbatch (or an example) of negative
-  weight is rejected, and the result says so (NaN loss, weight and grads,
-  which ``optax.apply_if_finite`` skips); the same microbatch of weight 0
-  adds nothing and the result is finite."""
+  weight is rejected, and the result says so (NaN loss and grads, which
+  ``optax.apply_if_finite`` skips, and the weight minus the number
+  rejected); the same microbatch of weight 0 adds nothing and the result
+  is finite."""
   vg = jax.value_and_grad(
     lambda w, x, m: (jnp.sum(m * (x * w) ** 2), jnp.sum(m)), has_aux=True
   )
@@ -231,10 +232,34 @@ def test_optax_accumulator_rejection_never_reads_as_weight_0(fn, size):
   else:
     zero = jnp.asarray([1.0, 1, 1, 1, 1, 1, 0, 0])
   (loss, weight), grads = jax.jit(f)(1.0, x, bad)
-  assert np.isnan(float(weight)) and np.isnan(float(loss))
+  assert float(weight) == -1.0 and np.isnan(float(loss))
   assert np.isnan(float(grads))
   (loss, weight), grads = jax.jit(f)(1.0, x, zero)
   assert np.isfinite([float(loss), float(weight), float(grads)]).all()
+
+
+@pytest.mark.parametrize(
+  "fn, size",
+  [("microbatch", 1), ("microbatch", 2)]
+  + [("micro_vmap", n) for n in (None, 1, 2, 4)],
+)
+def test_optax_accumulator_counts_the_rejected_in_the_weight(fn, size):
+  """The weight of a result with rejections is minus their number (the
+  microbatches, or for micro_vmap the examples, as the functional API's
+  ``rejected`` counts its calls): two NaN and one negative weight read -3
+  under jit, whatever the split."""
+  vg = jax.value_and_grad(lambda w, x, m: (jnp.sum(x * w), m[0]), has_aux=True)
+  kw = dict(microbatch_size=size, accumulator=wa.optax_accumulator("sum"))
+  if fn == "microbatch":  # microbatch k holds rows k::(8 // size)
+    f = optax.microbatching.microbatch(vg, argnums=(1, 2), **kw)
+    bad = [np.nan, -1.0, np.nan] + [1.0] * (8 // size - 3)
+    m = jnp.asarray(np.tile(bad, size), jnp.float32)
+  else:
+    f = optax.microbatching.micro_vmap(vg, in_axes=(None, 0, 0), **kw)
+    m = jnp.asarray([1.0, np.nan, 1, -2, 1, 1, np.nan, 0])[:, None]
+  (loss, weight), grads = jax.jit(f)(1.0, jnp.arange(8.0), m)
+  assert float(weight) == -3.0, weight
+  assert np.isnan(float(loss)) and np.isnan(float(grads))
 
 
 # ------------------------------------------- 2. aux order, early stopping --

@@ -10,6 +10,7 @@ from the library. Gradients are compared with the single-device full-batch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import hypothesis
@@ -635,54 +636,79 @@ def test_param_specs_are_checked_against_the_mesh_naming_the_leaf(fsdp):
     jax.jit(f)(odd_params, batch)
 
 
+def _tp_loss(p, b, explicit):
+  """A tanh layer whose hidden axis the model axis shards."""
+  h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+  pred = jnp.matmul(h, p["w2"], out_sharding=P(None) if explicit else None)
+  return jnp.sum(b["m"] * (pred - b["y"]) ** 2), jnp.sum(b["m"])
+
+
+def _tp_reference64(params, batch):
+  """The full-batch mean gradient of ``_tp_loss``, by hand in float64."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  x, y, m = (np.asarray(batch[k], np.float64) for k in ("x", "y", "m"))
+  h = np.tanh(x @ p["w1"] + p["b1"])
+  r = 2 * m * (h @ p["w2"] - y) / m.sum()
+  dh = r[:, None] * p["w2"][None, :] * (1 - h**2)
+  return {"w1": x.T @ dh, "b1": dh.sum(0), "w2": h.T @ r}
+
+
 @pytest.mark.parametrize("fsdp", ["gather_once", "scatter_each"])
 @pytest.mark.parametrize(
   "spec", [P("data", "model"), P(("data", "model"), None)]
 )
-def test_explicit_fsdp_param_with_another_axis_is_refused_by_name(fsdp, spec):
-  """On an Explicit mesh JAX's reduce-scatter over the data axes cannot
-  keep a model axis on the gradient (an AssertionError, or a scan carry
-  type error): refused naming the param and the Auto-mesh alternative,
-  which computes the full-batch gradient."""
-  explicit = jax.make_mesh(
-    (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
-  )
-  specs = {"w1": spec, "b1": P(), "w2": P()}
-  loss = functools.partial(_loss_sum, matmul=_explicit_matmul)
-  with jax.set_mesh(explicit):
-    params = {
-      k: jax.device_put(v, NamedSharding(explicit, specs[k]))
-      for k, v in _params_np().items()
-    }
-    batch = jax.device_put(_batch_np(), NamedSharding(explicit, P("data")))
-    f = wa.microbatched_value_and_grad(
-      loss,
-      2,
-      mode="sum",
-      axis_name=wa.distributed.DataParallel("data", fsdp=fsdp),
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_fsdp_with_tensor_parallel_params_is_exact(kind, spec, fsdp):
+  """FSDP plus tensor parallelism: a param sharded over the data axis and a
+  model axis (on another dimension, or after it on the same one), on a 2x4
+  data x model mesh of either axis type (Explicit: as jax.make_mesh makes
+  it by default). The gradient is the float64 full-batch one and the same
+  call's on one device, reduce-scattered over the data axis (the model
+  axis untouched) and on the param's sharding."""
+  explicit = kind == "explicit"
+  mesh = (
+    jax.make_mesh((2, 4), ("data", "model"))
+    if explicit
+    else jax.make_mesh(
+      (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
-    with pytest.raises(
-      wa.WeightedAccumulationError,
-      match=r"param \['w1'\] is typed .*Explicit mesh.*\('model',\).*Auto "
-      r"mesh.*param_specs",
-    ):
-      jax.jit(f)(params, batch)
-  auto = jax.make_mesh(
-    (4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
   )
-  params = {
-    k: jax.device_put(v, NamedSharding(auto, specs[k]))
-    for k, v in _params_np().items()
-  }
-  batch = jax.device_put(_batch_np(), NamedSharding(auto, P("data")))
-  f = wa.microbatched_value_and_grad(
-    _loss_sum,
-    2,
-    mode="sum",
-    axis_name=wa.distributed.DataParallel("data", param_specs=specs, fsdp=fsdp),
+  assert explicit == (mesh.axis_types[0] == jax.sharding.AxisType.Explicit), (
+    "jax.make_mesh's default axis type changed"
   )
-  _, out = jax.jit(f)(params, batch)
-  assert _err(out.grads, _reference(params, batch)) < 1e-5
+  specs = {"w1": spec, "b1": P("model"), "w2": P("model")}
+  params_np, batch_np = _params_np(), _batch_np()
+  loss = functools.partial(_tp_loss, explicit=explicit)
+  dp = wa.distributed.DataParallel(
+    "data", param_specs=None if explicit else specs, fsdp=fsdp
+  )
+  f = jax.jit(wa.microbatched_value_and_grad(loss, 2, mode="sum", axis_name=dp))
+  with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+    params = {
+      k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+      for k, v in params_np.items()
+    }
+    batch = jax.device_put(batch_np, NamedSharding(mesh, P("data")))
+    _, out = f(params, batch)
+    stats = hlo.hlo_stats(f.lower(params, batch).compile())
+  assert bool(out.valid)
+  for k in specs:
+    assert out.grads[k].sharding.is_equivalent_to(params[k].sharding, 2), k
+  ref64 = _tp_reference64(params_np, batch_np)
+  assert _err(out.grads, ref64) < 1e-5
+  one = jax.device_put((params_np, batch_np), jax.devices()[0])
+  single = wa.microbatched_value_and_grad(
+    functools.partial(_tp_loss, explicit=False), 2, mode="sum"
+  )
+  _, want = jax.jit(single)(*one)
+  for k in specs:
+    np.testing.assert_allclose(
+      out.grads[k], want.grads[k], rtol=2e-5, atol=1e-7
+    )
+  data = hlo.mesh_groups(mesh, "data")
+  # The data axis reduce-scatters the FSDP gradient: never all-reduced.
+  assert stats.count("reduce-scatter", data) >= 1
+  assert stats.nbytes("all-reduce", data) < D * H * 4 // 4
 
 
 def test_explicit_batch_must_be_sharded_over_the_data_axes():

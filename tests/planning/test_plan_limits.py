@@ -171,7 +171,7 @@ def _exchanges(draw):
 # replica: 9+8 | 7+6+5 by Karmarkar-Karp is 19 | 16, and 18 | 17 is best.
 SWAP_ONLY = (
   planning.PlanSpec(buckets=(5, 6, 7, 8, 9), budget=9, batch_rows=8,
-                    row_divisors=(1,), replicas=2, cost=(1.0, 0.0)),
+                    row_divisors=(1,), replicas=2, cost=(1.0, 0.0, 0.0)),
   [9, 8, 7, 6, 5], 0,
 )  # fmt: skip
 

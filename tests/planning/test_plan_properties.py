@@ -36,7 +36,12 @@ def cases(draw):
     row_divisors=draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)),
     replicas=replicas,
     overlong=overlong,
-    cost=(1.0, draw(st.sampled_from([0.0, 0.01, 1.0]))),
+    cost=(
+      1.0,
+      draw(st.sampled_from([0.0, 0.01, 1.0])),
+      draw(st.sampled_from([0.0, 64.0])),
+    ),
+    pack=draw(st.booleans()),
   )
   return spec, np.asarray(lengths, np.int64), draw(st.integers(0, 3))
 
@@ -61,13 +66,15 @@ def test_every_token_lands_once_in_a_shape_that_fits(case):
       covered[start : start + k] += 1
     want = min(n, top) if spec.overlong != "split" else n
     assert covered[:want].tolist() == [1] * want and covered[want:].sum() == 0
-  slots = set()
-  for _, _, k, r, s, slot, pos in p.tolist():
+  slots, taken = set(), set()
+  for _, _, k, r, s, slot, pos, off in p.tolist():
     rows, length = shapes[s]
-    assert 1 <= k <= length and rows * length <= spec.budget
+    assert k >= 1 and off + k <= length and rows * length <= spec.budget
     assert pos < rows and slot < plan.counts[r, s] <= spec.capacities[s]
+    assert spec.pack or off == 0
     slots.add((r, s, slot, pos))
-  assert len(slots) == len(p)  # no two pieces share a place
+    taken |= {(r, s, slot, pos, t) for t in range(off, off + k)}
+  assert len(taken) == p[:, pl.LENGTH].sum()  # no two pieces share a token
   # Every slot counted holds a piece, and the costs are the slots'.
   for r in range(spec.replicas):
     used = {(s, slot) for (rr, s, slot, _) in slots if rr == r}
@@ -107,13 +114,33 @@ def test_packed_arrays_hold_each_row_and_mask_its_tokens(case):
   tokens = 1 + np.arange(len(lengths) * t).reshape(len(lengths), t)
   packed = planning.plan_batch(spec, {"t": tokens}, lengths, seed=seed)
   p = packed.plan.pieces
-  for row, start, k, r, s, slot, pos in p.tolist():
+  fill = {}  # per packed row: its tokens (the segments fill it from 0)
+  for row, start, k, r, s, slot, pos, off in p.tolist():
     rows, length = spec.shapes[s]
     at = (r * spec.capacities[s] + slot) * rows + pos
-    got, mask = packed.shapes[s][0]["t"][at], packed.shapes[s][1][at]
-    assert got[:k].tolist() == tokens[row, start : start + k].tolist()
-    assert not got[k:].any() and mask.tolist() == [1] * k + [0] * (length - k)
-  real = sum(m.sum() for _, m in packed.shapes)
+    mb = packed.shapes[s]
+    got = np.asarray(mb.rows["t"][at])
+    assert (
+      got[off : off + k].tolist() == tokens[row, start : start + k].tolist()
+    )
+    assert np.asarray(mb.mask[at])[off : off + k].all()
+    fill[s, at] = fill.get((s, at), 0) + k
+    if spec.pack:  # the segment's id is its place in the row; positions
+      seg = np.asarray(mb.segment_ids[at])[off : off + k]
+      firsts = sorted(q[7] for q in p.tolist() if q[3:7] == [r, s, slot, pos])
+      assert seg.tolist() == [firsts.index(off) + 1] * k
+      assert np.asarray(mb.positions[at])[off : off + k].tolist() == list(
+        range(k)
+      )
+  for (s, at), n in fill.items():  # padding after the segments: zeros
+    mb = packed.shapes[s]
+    assert np.asarray(mb.mask[at]).tolist() == [1] * n + [0] * (
+      mb.mask.shape[1] - n
+    )
+    assert not np.asarray(mb.rows["t"][at])[n:].any()
+    if spec.pack:
+      assert not np.asarray(mb.segment_ids[at])[n:].any()
+  real = sum(float(mb.mask.sum()) for mb in packed.shapes)
   assert real == p[:, pl.LENGTH].sum()  # nothing else is marked real
 
 

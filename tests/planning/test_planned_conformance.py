@@ -28,19 +28,29 @@ def _params(dtype):
   }
 
 
-def _token_losses(p, tokens, targets):
+def _token_losses(p, tokens, targets, positions=None):
   """Per-token losses of rows ``[r, L]``: a causal running mean mixes each
-  token with those before it (what a row's padding must not change)."""
-  h = p["emb"][tokens]
-  h = jnp.cumsum(h, axis=1) / jnp.arange(1, tokens.shape[1] + 1)[:, None]
+  token with those before it in its segment (what a row's padding, or the
+  other segments of a packed row, must not change)."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  h = jnp.cumsum(p["emb"][tokens], axis=1)
+  before = jnp.arange(tokens.shape[1]) - positions - 1  # the segment's start
+  h = h - jnp.where(
+    before[..., None] >= 0,
+    jnp.take_along_axis(h, jnp.maximum(before, 0)[..., None], 1),
+    0.0,
+  )
+  h = h / (positions + 1)[..., None]
   logits = jnp.tanh(h @ p["w"]) @ p["out"]
   picked = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
   return jax.nn.logsumexp(logits, -1) - picked
 
 
 def _loss_fn(p, mb):
-  rows, mask = mb
-  tl = _token_losses(p, rows["tokens"], rows["targets"])
+  rows, mask = mb[:2]
+  pos = mb.positions if len(mb) == 4 else None  # the spec packs
+  tl = _token_losses(p, rows["tokens"], rows["targets"], pos)
   return jnp.sum(tl * mask.astype(tl.dtype)), mask.sum()
 
 
@@ -90,6 +100,10 @@ PLANS = {
   "split": dict(
     buckets=(4, 8), budget=16, row_divisors=(1, 4), overlong="split"
   ),
+  "packed": dict(buckets=(4, 8, 16), budget=32, row_divisors=(1, 2), pack=True),
+  "packed_split": dict(
+    buckets=(8,), budget=16, row_divisors=(1,), overlong="split", pack=True
+  ),
 }
 BATCHES = (  # two batches through one compiled step
   [13, 1, 7, 16, 3, 0, 9, 4, 11, 2, 5, 8],
@@ -104,6 +118,12 @@ CASES = [
   ("split", "jit", "float64"),
   ("buckets", "shard_map", "float32"),
   ("split", "jit_axis_name", "float32"),
+  ("packed", "eager", "float32"),
+  ("packed", "jit", "float64"),
+  ("packed_split", "jit", "float32"),
+  ("packed", "shard_map", "float32"),
+  ("packed", "jit_axis_name", "float32"),
+  ("packed_split", "jit_axis_name_explicit", "float64"),
 ]
 TOL = {"float32": 2e-6, "float64": 1e-12}
 
@@ -117,10 +137,12 @@ def _step(style, spec, dtype):
   if style == "eager":
     return f
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+  if style.endswith("explicit"):  # what jax.make_mesh builds by default
+    mesh = jax.make_mesh((2,), ("data",))
   if style == "shard_map":
     specs = (P(), P("data"))
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P()))
-  if style == "jit_axis_name":
+  if style.startswith("jit_axis_name"):
     jitted = jax.jit(f)
 
     def under_mesh(*args):
@@ -135,7 +157,7 @@ def _step(style, spec, dtype):
 @pytest.mark.parametrize("plan,style,dtype", CASES)
 def test_gradient_is_the_full_batch_gradient(plan, style, dtype):
   with jax.enable_x64(dtype == "float64"):
-    replicas = 2 if style in ("shard_map", "jit_axis_name") else 1
+    replicas = 2 if style in ("shard_map",) or "axis" in style else 1
     spec = planning.PlanSpec(batch_rows=32, replicas=replicas, **PLANS[plan])
     f, params = _step(style, spec, jnp.dtype(dtype)), _params(dtype)
     for seed, lengths in enumerate(BATCHES[: 1 if style == "eager" else 2]):
@@ -146,7 +168,7 @@ def test_gradient_is_the_full_batch_gradient(plan, style, dtype):
       assert out.grads["w"].dtype == jnp.dtype(dtype)
       assert _rel(out.grads, ref) <= TOL[dtype]
       assert abs(float(loss) - ref_loss) <= 2e-6 * abs(ref_loss)  # f32 loss
-      top = spec.buckets[-1] if plan != "split" else max(lengths)
+      top = spec.buckets[-1] if "split" not in plan else max(lengths)
       assert float(out.weight) == sum(min(n, top) for n in lengths)
       assert bool(out.valid)
     jitted = getattr(f, "jitted", f)

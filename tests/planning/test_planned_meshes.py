@@ -20,7 +20,6 @@ from test_planned_conformance import _rel
 
 import weighted_accum as wa
 from weighted_accum import planning
-from weighted_accum._src.planning.packing import Packed
 
 SPEC = planning.PlanSpec(
   buckets=(8, 16), budget=16, row_divisors=(1,), batch_rows=8, replicas=2
@@ -85,7 +84,8 @@ def test_a_packed_batch_not_split_by_replica_is_refused(kind):
   with pytest.raises(wa.WeightedAccumulationError, match="split by replica"):
     whole(_params(jnp.float32), packed)
   if kind == "auto":  # the counts split, the shapes not (Auto: NumPy in)
-    specs = Packed(SPEC, jax.tree.map(lambda _: P(), packed.shapes), P("data"))
+    specs = jax.tree.map(lambda _: P(), packed)
+    specs.counts = P("data")
     part = jax.jit(
       jax.shard_map(_step(), mesh=mesh, in_specs=(P(), specs), out_specs=P())
     )

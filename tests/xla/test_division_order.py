@@ -1,15 +1,20 @@
-"""The window's mean divides by its two divisors one after the other, the
-larger first, in the COMPILED program: XLA rewrites ``(a / b) / c`` into
-``a / (b * c)``, and the product of a loss scale and a weight overflows or
-underflows float32 at its edges; dividing by a loss scale below 1 first
-overflows where the mean fits (``tests/core/test_close_numerics.py``).
+"""The window's mean is never a division by the product of its two
+divisors as XLA would compute it, in the COMPILED program: XLA rewrites
+``(a / b) / c`` into ``a / (b * c)``, and the product of a loss scale and a
+weight overflows or underflows float32 at its edges; dividing by a loss
+scale below 1 first overflows where the mean fits
+(``tests/core/test_close_numerics.py``). Where one divisor is a power of
+two the product is formed by exponent arithmetic (on the bits, no
+multiplication): the sums are multiplied by its mantissa's reciprocal, then
+by powers of two; else by the larger divisor's reciprocal first, then the
+smaller's.
 
 Read from the optimised HLO text of ``jit``-compiled closes: which of the
 caller's sums, loss scale and weight each instruction's value is computed
 from (a select's predicate does not count: it picks, it does not compute),
 per tuple element. The program must multiply a value already divided by
-one divisor (computed from the sums and both divisors, as the larger is
-picked by value) by a second divisor factor, and must never multiply two
+one divisor (computed from the sums and both divisors, as the divisor is
+picked by value) by a second divisor factor, must never multiply two
 divisor factors together (no value computed from the divisors alone times
 another). The compiled closes are also run at the edges where either fixed
 order loses the window.
@@ -191,7 +196,7 @@ ROLES = {
 }
 
 
-def test_divide_divides_by_the_scale_then_the_weight():
+def test_divide_never_divides_by_the_product():
   fn = jax.jit(lambda sums, ls, w: window.divide(sums, ls, w))
   text = fn.lower(jnp.ones((4, 8)), jnp.float32(2.0), jnp.float32(3.0))
   flow = _Flow(

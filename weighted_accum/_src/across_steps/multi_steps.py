@@ -1,22 +1,38 @@
 """The optax wrapper ``WeightedMultiSteps`` and its readers ``has_updated``
-and ``window_counters`` (its step: ``multi_steps_step``)."""
+and ``window_counters``. One ``update``: the call checked, the microbatch
+accumulated (or skipped), then ``window.close`` (one conditional) or the
+window kept open; why so: ``docs/design.md`` ("The optax wrapper's step
+layout"). The state goes down once and its successor is built in ``update``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
+import numpy as np
 import optax
 
-from weighted_accum._src.across_steps import multi_steps_step as step
+from weighted_accum._src import validation
 from weighted_accum._src.across_steps import wrapper_state
 from weighted_accum._src.across_steps.wrapper_state import (
   WeightedMultiStepsState,
 )
+from weighted_accum._src.core import accumulation
+from weighted_accum._src.core import base
+from weighted_accum._src.core import numerics
+from weighted_accum._src.core import tree_utils
+from weighted_accum._src.core import window
+from weighted_accum._src.core.base import AccumState
+from weighted_accum._src.core.loss_scale import DynamicLossScale
+from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.parallel import distributed
+
+_UPDATE = "WeightedMultiSteps.update"
 
 
 def has_updated(state: WeightedMultiStepsState) -> jax.Array:
@@ -40,9 +56,8 @@ def has_updated(state: WeightedMultiStepsState) -> jax.Array:
     >>> bool(wa.has_updated(s1)), bool(wa.has_updated(s2))
     (False, True)
   """
-  return jnp.asarray(
-    wrapper_state.checked(wrapper_state.view(state), "has_updated").updated
-  )
+  state = wrapper_state.checked(wrapper_state.view(state), "has_updated")
+  return jnp.asarray(state.updated)
 
 
 def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
@@ -74,6 +89,34 @@ def window_counters(state: WeightedMultiStepsState) -> dict[str, Any]:
   return dict(mini_step=state.mini_step) | {
     k: getattr(state.window, k) for k in names
   }
+
+
+class _Close(NamedTuple):
+  """The close's two branches and the updates' shapes (static)."""
+
+  apply: Callable[..., Any]  # (mean, (inner state, params)) -> applied
+  skip: Callable[..., Any]  # (sums, (inner state, params)) -> not applied
+  shapes: Any  # the updates' shapes and dtypes (optax.MultiSteps')
+  carry: bool  # the updates fit the buffers and travel in them
+  dtypes: list  # the mean's dtypes, leaf by leaf
+
+
+def _count(flag: jax.Array) -> jax.Array:
+  return flag.astype(jnp.int32)
+
+
+def _global_grads(contrib: Any, weight: jax.Array, mean: bool) -> Any:
+  """The microbatch's global gradient as ``should_skip`` sees it."""
+  if not mean:
+    return contrib
+  inv = jnp.where(weight > 0, 1.0 / jnp.where(weight > 0, weight, 1.0), 0.0)
+  return jax.tree.map(lambda c: (c * inv).astype(c.dtype), contrib)
+
+
+def _adjusted(scaler: DynamicLossScale, out) -> DynamicLossScale:
+  """GradScaler's rule after ``out``; an empty window leaves it as it was."""
+  new = scaler.adjust(out.finite)
+  return jax.tree.map(lambda a, b: jnp.where(out.weight > 0, a, b), new, scaler)
 
 
 class WeightedMultiSteps:
@@ -150,14 +193,39 @@ class WeightedMultiSteps:
     axis_name: str | Sequence[str] | None = None,
     skip_nonfinite_updates: bool = False,
   ):
-    args = dict(locals())  # the constructor's arguments, by name
-    del args["self"]
-    self._cfg = step.configure(**args)
+    arg = lambda name: f"WeightedMultiSteps({name}=...)"
+    flag = lambda x, name: validation.static_flag(x, what=arg(name))
+    validation.transformation(opt, what="WeightedMultiSteps(opt)")
+    self._opt = optax.with_extra_args_support(opt)
+    dt = accumulator_dtype  # None: the params' (resolved by init)
+    if dt is not None:
+      dt = validation.work_dtype(dt, what=arg("accumulator_dtype"))
+    self._dtype, self._loss_scale = dt, loss_scale
+    if not isinstance(loss_scale, DynamicLossScale):
+      self._loss_scale = validation.loss_scale(
+        loss_scale, what=arg("loss_scale"), dtype=numerics.tally_dtype(dt)
+      )
+    k = validation.every_k(every_k_schedule, what=arg("every_k_schedule"))
+    self._every_k, self._use_grad_mean = k, flag(use_grad_mean, "use_grad_mean")
+    self._should_skip = validation.callable_or_none(
+      should_skip_update_fn,
+      what=arg("should_skip_update_fn"),
+      hint="Pass (updates, gradient_step, params) -> (should_skip, skip_state),"
+      " e.g. optax.skip_not_finite, or None.",
+    )
+    self._mode = validation.mode(mode, what=arg("mode"))
+    axes = validation.optional_axis_names(axis_name, what=arg("axis_name"))
+    self._placement = base.GLOBAL_WINDOW
+    if axes is not None:  # each microbatch reduced as it is added
+      self._placement = base.Placement(base.REPLICA, tuple(axes), "microbatch")
+    self._skip_nonfinite = flag(
+      skip_nonfinite_updates, "skip_nonfinite_updates"
+    )
 
   @property
   def inner_opt(self) -> optax.GradientTransformationExtraArgs:
     """The wrapped optimizer (with extra-args support), as in optax."""
-    return self._cfg.inner
+    return self._opt
 
   def init(self, params: Any) -> WeightedMultiStepsState:
     """An empty window and the inner optimizer's initial state.
@@ -168,7 +236,36 @@ class WeightedMultiSteps:
     Returns:
       A :class:`WeightedMultiStepsState`.
     """
-    return step.init(self._cfg, params)
+    scaler = self._loss_scale
+    if isinstance(scaler, DynamicLossScale):  # fresh arrays (donation)
+      fresh = lambda x: (
+        x if tree_utils.is_traced(x) else jnp.asarray(np.asarray(x))
+      )
+      scaler = jax.tree.map(fresh, scaler)
+      scale = jnp.array(scaler.scale)
+    else:
+      scaler, scale = None, scaler
+    accum = accumulation.init(params, dtype=self._dtype, loss_scale=scale)
+    accum = accum.replace(placement=self._placement)
+    zero = lambda dtype=jnp.int32: jnp.zeros((), dtype)  # one array per field
+    skip_state = ()
+    if self._should_skip is not None:
+      zeros = optax.tree.zeros_like(params)
+      _, skip_state = self._should_skip(zeros, zero(), params)
+    counts = ("mini_step", "gradient_step", "nonfinite_windows")
+    counts += ("empty_windows", "skipped", "rejected")
+    state = WeightedMultiStepsState(
+      inner_opt_state=self._opt.init(params),
+      acc_grads=accum.grads,
+      skip_state=skip_state,
+      window=accum.replace(grads=None),
+      updated=zero(jnp.bool_),
+      nonfinite=zero(jnp.bool_),
+      loss_scaler=scaler,
+      **{k: zero() for k in counts},
+    )
+    # Committed like the params, as a jitted step returns them (one compile).
+    return tree_utils.commit_like(state, params)
 
   def update(
     self,
@@ -202,16 +299,156 @@ class WeightedMultiSteps:
         state, grads unlike the params, or an invalid ``finish`` /
         ``next_loss_scale``.
     """
-    return step.update(
-      self._cfg,
-      updates,
-      state,
-      params,
-      weight=weight,
-      finish=finish,
-      next_loss_scale=next_loss_scale,
-      **extra_args,
+    finish, next_ls = self._checked(state, weight, finish, next_loss_scale)
+    accum, skip, skip_state = self._add(state, updates, weight, params)
+    mini_step = state.mini_step + (1 if skip is None else 1 - _count(skip))
+    every = self._every_k
+    every = every(state.gradient_step) if callable(every) else every
+    closing = finish if every is None else finish | (mini_step >= every)
+    close = self._plan(
+      state.acc_grads, state.inner_opt_state, updates, params, extra_args
     )
+    scaler = state.loss_scaler
+    if scaler is not None:  # the next window's scale, from this window's result
+      next_ls = lambda out: _adjusted(scaler, out).scale
+    (carrier, inner_state, applied), _, new, out = window.close(
+      accum,
+      (state.inner_opt_state, params),
+      close.apply,
+      close.skip,
+      next_loss_scale=next_ls,
+      mean=self._use_grad_mean,
+      when=closing,
+      dtypes=close.dtypes,
+    )
+    pick = lambda a, b: jnp.where(closing, a, b)
+    old, nonempty = base.of(accum), out.weight > 0
+    nonfinite = closing & nonempty & ~applied
+    new_state = WeightedMultiStepsState(
+      mini_step=pick(0, mini_step).astype(jnp.int32),
+      gradient_step=state.gradient_step + _count(applied),
+      inner_opt_state=inner_state,
+      acc_grads=carrier if close.carry else accum.grads,  # stale ones: unread
+      skip_state=skip_state,
+      window=accum.replace(
+        grads=None, **{k: pick(v, old[k]) for k, v in base.of(new).items()}
+      ),
+      updated=applied,
+      nonfinite=nonfinite,
+      nonfinite_windows=state.nonfinite_windows + _count(nonfinite),
+      empty_windows=state.empty_windows + _count(closing & ~nonempty),
+      skipped=state.skipped if skip is None else state.skipped + _count(skip),
+      rejected=state.rejected
+      + (accum.rejected - state.window.rejected).astype(jnp.int32),
+      loss_scaler=None
+      if scaler is None
+      else jax.tree.map(pick, _adjusted(scaler, out), scaler),
+    )
+    mask = lambda c, s: jnp.where(applied, c, 0).astype(s.dtype)  # c's dtype
+    return jax.tree.map(mask, carrier, close.shapes), new_state
+
+  def _checked(self, state, weight, finish, next_ls) -> tuple[Any, Any]:
+    """The call refused unless its state, weight, ``finish`` and
+    ``next_loss_scale`` fit; returns the last two as stored."""
+    wrapper_state.checked(state, _UPDATE)
+    if weight is None:
+      raise WeightedAccumulationError(
+        f"{_UPDATE}: weight= is required (with flax use weighted_accum.TrainState)."
+      )
+    if next_ls is not None and state.loss_scaler is not None:
+      raise WeightedAccumulationError(
+        f"{_UPDATE}(next_loss_scale=...): the DynamicLossScale sets it; drop it."
+      )
+    next_ls = validation.optional_loss_scale(
+      next_ls,
+      what=f"{_UPDATE}(next_loss_scale=...)",
+      dtype=state.window.loss_scale.dtype,
+    )
+    finish = validation.traced_flag(finish, what=f"{_UPDATE}(finish=...)")
+    for name, v in (("finish", finish), ("next_loss_scale", next_ls)):
+      validation.shared(
+        v, state.window.placement.axes, what=f"{_UPDATE}({name}=...)"
+      )
+    return finish, next_ls
+
+  def _add(self, state, grads, weight, params) -> tuple[AccumState, Any, Any]:
+    """The microbatch added (with ``axis_name``: summed over the replicas
+    first); returns ``(window, skip or None, skip_state)``."""
+    accum, mean = state.accum, self._mode == "mean"
+    w = accumulation.convert_weight(accum, weight, _UPDATE)
+    reduced = accum.placement.kind == base.REPLICA
+    if reduced:  # w: the global Weight; the contribution a sum already
+      axes = accum.placement.axes
+      axes = validation.bound_axes(axes, what=f"{_UPDATE}(state)")
+      grads, w = distributed.reduce_microbatch(
+        accum, grads, w, axes, mean=mean, what=_UPDATE
+      )
+    skip, skip_state = None, state.skip_state
+    if self._should_skip is not None:
+      seen = _global_grads(grads, w.hi + w.lo, mean) if reduced else grads
+      skip, skip_state = self._should_skip(seen, state.gradient_step, params)
+      got = f"{jnp.result_type(skip)} {np.shape(skip)}"
+      if got != "bool ()":  # a bool scalar
+        raise WeightedAccumulationError(
+          f"WeightedMultiSteps(should_skip_update_fn=...): should_skip is {got}, not bool ()."
+        )
+      skip = jnp.asarray(skip)
+      w = validation.Weight(
+        jnp.where(skip, 0, w.hi), jnp.where(skip, 0, w.lo), w.ok | skip
+      )
+    if reduced:  # counted over the replicas, as distributed.accumulate does
+      new = distributed.add_reduced(
+        accum, grads, w, checked=False, name=_UPDATE
+      )
+    else:
+      new = accumulation.add(accum, grads, w, mean=mean, name=_UPDATE)
+    if skip is not None:
+      old = base.of(accum)
+      new = new.replace(
+        **{k: jnp.where(skip, old[k], v) for k, v in base.of(new).items()}
+      )
+    return new, skip, skip_state
+
+  def _plan(self, buffers, inner_state, grads, params, extra_args) -> _Close:
+    """The close's branches, the inner update's shapes planned abstractly
+    (``jax.eval_shape``): the conditional traces the inner update once."""
+    inner = functools.partial(self._opt.update, **extra_args)
+    dtypes = grad_dtypes = [jnp.result_type(g) for g in jax.tree.leaves(grads)]
+    if params is not None:
+      p_leaves = tree_utils.match_tree(
+        buffers, params, what=f"{_UPDATE}(params)"
+      )
+      dtypes = [
+        jnp.promote_types(d, jnp.result_type(p))
+        for d, p in zip(grad_dtypes, p_leaves)
+      ]
+    as_grads = tree_utils.cast_to(buffers, grad_dtypes)
+    shapes = jax.eval_shape(inner, as_grads, inner_state, params)[0]
+    buf_leaves, buf_def = jax.tree.flatten(buffers)
+    upd_leaves, upd_def = jax.tree.flatten(shapes)
+    carry = upd_def == buf_def and all(
+      u.shape == b.shape
+      and jnp.promote_types(u.dtype, b.dtype) == jnp.dtype(b.dtype)
+      for u, b in zip(upd_leaves, buf_leaves)
+    )
+
+    def apply(g, operands):  # g: the window's mean (or sum) in dtypes
+      upd, new_inner = inner(g, *operands)
+      upd = tree_utils.cast_like(upd, shapes)
+      new_inner = tree_utils.cast_like(new_inner, operands[0])
+      if carry:
+        upd = tree_utils.cast_like(upd, buffers)
+      if not self._skip_nonfinite:
+        return upd, new_inner, jnp.bool_(True)
+      (mark,) = window.global_marks((numerics.tree_mark(upd),))
+      return upd, new_inner, ~jnp.isnan(mark)
+
+    def skip(sums, operands):  # the buffers carried as they are, or zeros
+      zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+      kept = sums if carry else jax.tree.map(zeros, shapes)
+      return kept, operands[0], jnp.bool_(False)
+
+    return _Close(apply, skip, shapes, carry, dtypes)
 
   def has_updated(self, state: WeightedMultiStepsState) -> jax.Array:
     """Whether the last ``update`` applied a window (:func:`has_updated`)."""

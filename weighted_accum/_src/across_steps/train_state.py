@@ -47,8 +47,7 @@ class TrainState(train_state.TrainState):
   def create(
     cls, *, apply_fn: Any, params: Any, tx: Any, **kwargs: Any
   ) -> TrainState:
-    """As flax's ``create``, with ``step`` an int32 array (a restore template;
-    one trace)."""
+    """As flax's, ``step`` an int32 array (a restore template; one trace)."""
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     return state.replace(step=jnp.asarray(state.step, jnp.int32))
 
@@ -97,11 +96,8 @@ class TrainState(train_state.TrainState):
 
 def _check_weighted(opt_state: Any) -> None:
   """Refuses a ``tx`` whose state holds no ``WeightedMultiStepsState``."""
-  is_ours = lambda x: isinstance(x, WeightedMultiStepsState)  # noqa: E731
-  nodes = jax.tree.leaves(opt_state, is_leaf=is_ours)
-  if not any(is_ours(x) for x in nodes):
+  is_ours = lambda x: isinstance(x, WeightedMultiStepsState)
+  if not any(map(is_ours, jax.tree.leaves(opt_state, is_leaf=is_ours))):
     raise WeightedAccumulationError(
-      "TrainState.apply_gradients(weight=...): tx holds no "
-      "WeightedMultiStepsState, so the weight would be ignored; create the "
-      "state with tx=weighted_accum.WeightedMultiSteps(opt, k, mode=...)."
+      "TrainState.apply_gradients(weight=...): tx is no wa.WeightedMultiSteps; weight unused."
     )

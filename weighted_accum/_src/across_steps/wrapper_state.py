@@ -1,7 +1,6 @@
-"""The optax wrapper's state ``WeightedMultiStepsState``, and the same state as
-Flax NNX holds it: :func:`view` reads ``nnx.Optimizer(...).opt_state``
-(``nnx.Variable`` leaves) or its ``nnx.State`` as the plain state;
-:func:`rewrap` gives a changed state back in the caller's types."""
+"""The optax wrapper's state, also as Flax NNX holds it (``nnx.Variable``
+leaves, or an ``nnx.State``): read plain by :func:`view`, a changed one given
+back in the caller's types by :func:`rewrap`."""
 
 from __future__ import annotations
 
@@ -27,11 +26,9 @@ class WeightedMultiStepsState(NamedTuple):
       (skipped ones not counted).
     gradient_step: int32, windows applied since ``init``.
     inner_opt_state: the wrapped optimizer's state.
-    acc_grads: in the accumulator dtype, the open window's weighted gradient
-      SUMS (times the loss scale). Not zeroed at a close: while ``mini_step``
-      is 0 it holds an applied window's updates (``-mean`` for ``sgd(1)``)
-      if they fit its structure, shapes and dtype, else the closed window's
-      sums; read the open window through :attr:`accum`.
+    acc_grads: the open window's weighted gradient SUMS (times the loss
+      scale). Not zeroed at a close (while ``mini_step`` is 0 it holds stale
+      values): read the open window through :attr:`accum`.
     skip_state: what ``should_skip_update_fn`` returned last (``()``).
     window: the open window's counters, an
       :class:`~weighted_accum.AccumState` with ``grads=None``.
@@ -91,14 +88,10 @@ def checked(state: Any, what: str) -> WeightedMultiStepsState:
 _ABSENT = {"skip_state": (), "loss_scaler": None}
 
 
-def _is_wrapper_mapping(x: Any) -> bool:
-  return isinstance(x, Mapping) and {"acc_grads", "window"} <= set(x.keys())
-
-
 def view(state: Any) -> Any:
   """``state`` unwrapped; a wrapper state held as an ``nnx.State`` rebuilt."""
   plain = tree_utils.unwrap_variables(state)
-  if not _is_wrapper_mapping(plain):
+  if not (isinstance(plain, Mapping) and {"acc_grads", "window"} <= set(plain)):
     return plain
   buffers = jax.tree.leaves(plain["acc_grads"])
   dtype = buffers[0].dtype if buffers else jnp.float32

@@ -1,3 +1,2 @@
 """Orbax checkpointing of windows: ``checkpoint`` (``AccumSave``,
-``AccumRestore`` and their handler) and ``saved_form`` (the saved form of a
-tree of windows, ``abstract_state`` and the checks of restored values)."""
+``AccumRestore``, their handler and ``abstract_state``)."""

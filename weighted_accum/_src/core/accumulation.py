@@ -9,7 +9,7 @@ Windows are closed in :mod:`weighted_accum._src.core.window`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 import functools
 import math
 from typing import Any
@@ -109,16 +109,26 @@ def _buffers_dtype(named: list[tuple[str, Any]]) -> np.dtype:
   )
 
 
-def _check_empty_window_zero(named: list[tuple[str, Any]]) -> None:
-  """Only positive-weight microbatches add: a weight-0 window has zero buffers."""
-  for path, b in named:
-    if bool(jnp.any(numerics.nonzero(b))):  # on the bits: subnormals count
-      raise WeightedAccumulationError(
-        f"from_buffers(buffers): leaf {path} is non-zero, but the counters "
-        "say the window's total weight is 0 (only positive-weight "
-        "microbatches add to the buffers). Buffers and counters come from "
-        "different saves: restore them together."
-      )
+def check_restored(
+  counters: Any, named: Iterable[tuple[str, Any]], dtype: Any, *, what: str
+) -> dict[str, Any]:
+  """A saved window's counters as stored (``validation.saved_counters``),
+  its ``named`` buffers zero if its weight is: ``from_buffers``' check and
+  the restore's."""
+  c = validation.saved_counters(
+    counters,
+    base.COUNTERS,
+    lambda name: base.dtype_of(name, dtype),
+    what=what,
+  )
+  if c["weight_hi"] + c["weight_lo"] == 0:
+    for path, b in named:  # only positive-weight microbatches add
+      if bool(jnp.any(numerics.nonzero(b))):  # on the bits: subnormals count
+        raise WeightedAccumulationError(
+          f"{what}: the total weight is 0, but buffer {path} is non-zero: "
+          "restore the buffers and counters of one save."
+        )
+  return c
 
 
 def _param_sharding(param: Any) -> jax.sharding.Sharding | None:
@@ -186,18 +196,13 @@ def from_buffers(
   validation.one_device_set([("", params)], what="from_buffers(params)")
   paths = tree_utils.leaf_paths(params)
   dtype = _buffers_dtype(list(zip(paths, leaves)))
-  c = validation.saved_counters(
-    counters,
-    base.COUNTERS,
-    lambda name: base.dtype_of(name, dtype),
-    what="from_buffers(counters)",
-  )
   p_leaves, treedef = jax.tree.flatten(params)
   placed = [
     _place(b, p, path, dtype) for b, p, path in zip(leaves, p_leaves, paths)
   ]
-  if c["weight_hi"] + c["weight_lo"] == 0:
-    _check_empty_window_zero(list(zip(paths, placed)))
+  c = check_restored(
+    counters, zip(paths, placed), dtype, what="from_buffers(counters)"
+  )
   return AccumState(
     grads=jax.tree.unflatten(treedef, placed),
     dtype=dtype,

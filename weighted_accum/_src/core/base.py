@@ -208,9 +208,9 @@ class AccumulatedGradients(struct.PyTreeNode):
     valid: bool, the result may be applied: ``finite``, a usable loss scale
       and, for a mean, a positive total weight and a mean that fits the
       work dtype.
-    kind: what ``grads`` is (static): ``"mean"`` (applied by
-      ``apply_window``) or ``"sums"`` (``finish_sums``: still loss-scaled,
-      reduced by ``distributed.reduce_sums``).
+    kind: what ``grads`` is (static, required: no default): ``"mean"``
+      (applied by ``apply_window``) or ``"sums"`` (``finish_sums``: still
+      loss-scaled, reduced by ``distributed.reduce_sums``).
   """
 
   grads: Any
@@ -219,7 +219,14 @@ class AccumulatedGradients(struct.PyTreeNode):
   issued: jax.Array
   finite: jax.Array
   valid: jax.Array
-  kind: str = struct.field(pytree_node=False, default="mean")
+  kind: str = struct.field(pytree_node=False, default=None)
+
+  def __post_init__(self):
+    if self.kind not in ("mean", "sums"):
+      raise WeightedAccumulationError(
+        f"AccumulatedGradients(kind={self.kind!r}): say what grads is, "
+        "kind='mean' or kind='sums' (still loss-scaled)."
+      )
 
 
 #: The counters, in ``AccumState`` field order (also the checkpoint's keys).

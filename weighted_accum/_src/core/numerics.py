@@ -118,6 +118,30 @@ def mean_contribution(g: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
   return (g.astype(dtype).astype(compute_dtype(dtype)) * weight).astype(dtype)
 
 
+def exact_divisor(a: jax.Array, b: jax.Array) -> tuple[jax.Array, ...]:
+  """``(exact, d, f1, f2)`` with ``x / (a * b) == ((x / d) * f1) * f2`` where
+  ``exact``: ``a`` or ``b`` (positive, normal) is a power of two, so their
+  product is ``d`` times a power of two, split into two normal factors.
+  ``d`` (in ``[0.5, 1)`` before a growing factor, ``[1, 8)`` before a
+  shrinking one) keeps ``x / d`` from over- or underflowing where the
+  quotient does not."""
+  fi, (ia, it), ib = jnp.finfo(a.dtype), _int_view(a), _int_view(b)[0]
+  low, bias = np.array((1 << fi.nmant) - 1, it), fi.maxexp - 1
+  unbiased = lambda i: (i >> fi.nmant) - bias  # positive: no sign bit
+  e = unbiased(ia) + unbiased(ib)
+  exact = ((ia & low) == 0) | ((ib & low) == 0)
+  t = jnp.where(e < 0, -1, jnp.minimum(e, 2)).astype(it)
+  pow2 = lambda n: lax.bitcast_convert_type(
+    (n + bias).astype(it) << fi.nmant, a.dtype
+  )
+  d = lax.bitcast_convert_type(
+    (ia & low) | (ib & low) | ((t + bias) << fi.nmant), a.dtype
+  )
+  s = t - e.astype(it)
+  f1 = jnp.clip(s, fi.minexp, bias)
+  return exact, d, pow2(f1), pow2(s - f1)
+
+
 def computed_once(x: jax.Array) -> jax.Array:
   """``x`` (a scalar or a small vector), computed once for all the loops that
   read it."""

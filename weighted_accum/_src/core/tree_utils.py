@@ -5,9 +5,11 @@ that keep a sharding, and where a newly born state's scalars live.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -29,6 +31,29 @@ class LeafReduce(NamedTuple):
   psum: tuple[str, ...]
   scatter: tuple[str, ...] = ()
   dim: int = 0
+
+
+def reduce_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
+  """A tiled ``psum_scatter`` over ``axes`` on ``dim`` that keeps the
+  Explicit axes of ``x``'s type (in a ``shard_map`` over them; those on
+  ``dim`` too are then permuted into the order of ``P((*axes, *them))``)."""
+  sharding = jax.typeof(x).sharding
+  spec = PartitionSpec(*sharding.spec)
+  names = lambda e: () if e is None else (e,) if isinstance(e, str) else e
+  others = {a for e in spec for a in names(e)}
+  inner = tuple(names(spec[dim])) if dim < len(spec) else ()
+
+  def scatter(b):
+    b = lax.psum_scatter(b, axes, scatter_dimension=dim, tiled=True)
+    n, o = (math.prod(map(lax.axis_size, a)) for a in (axes, inner))
+    # Device (s, i) holds block i * n + s; block c belongs to (c // o, c % o).
+    perm = [((c % n) * o + c // n, c) for c in range(n * o)]
+    return lax.ppermute(b, axes + inner, perm) if inner else b
+
+  if not others:
+    return scatter(x)
+  kw = dict(in_specs=spec, out_specs=spec, axis_names=others)
+  return jax.shard_map(scatter, mesh=sharding.mesh, **kw)(x)
 
 
 def concrete_float(x: Any) -> float | None:

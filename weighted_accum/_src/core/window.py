@@ -36,15 +36,25 @@ _BIG = 2.0**64
 
 def _divisors(
   loss_scale: jax.Array, weight: jax.Array, ct: Any, check: bool
-) -> tuple[jax.Array, jax.Array]:
-  """``(f1, f2)`` with ``(x * f1) * f2 == x / loss_scale / weight``, larger first."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(f0, f1, f2)``: ``((x * f0) * f1) * f2 == x / loss_scale / weight``.
+  Where one divisor is a power of two, ``f0`` is the reciprocal of their
+  product's mantissa (exact by exponent arithmetic) and ``f1 * f2`` a power
+  of two; else the larger divisor's reciprocal first, then the smaller's."""
   ls, w = loss_scale.astype(ct), weight.astype(ct)
   one, zero = jnp.ones((), ct), jnp.zeros((), ct)
   ok = usable_divisors(loss_scale, weight) if check else w > 0
   ls, w = jnp.where(ok, ls, one), jnp.where(ok, w, one)
+  exact, d, f1, f2 = numerics.exact_divisor(ls, w)
   big, small = jnp.maximum(ls, w), jnp.minimum(ls, w)
   down = jnp.where(big > _BIG, jnp.asarray(1.0 / _BIG, ct), one)
-  return jnp.where(ok, one, zero) / (big * down), down / small
+  f0 = jnp.where(ok, one, zero) / jnp.where(exact, d, big * down)
+  return f0, jnp.where(exact, f1, down / small), jnp.where(exact, f2, one)
+
+
+def _scaled(x: jax.Array, divisors: tuple[jax.Array, ...]) -> jax.Array:
+  f0, f1, f2 = divisors
+  return ((x * f0) * f1) * f2
 
 
 def divide(
@@ -55,19 +65,18 @@ def divide(
   wide: bool = False,
   usable: bool = False,
 ) -> Any:
-  """``sums / loss_scale / weight`` per leaf (at least float32, the larger
-  divisor first); 0 where the divisors are unusable, NaN where a sum is not
-  finite. ``wide``: in the compute dtype; ``usable``: the divisors are known
-  usable and the sums finite (no checks)."""
+  """``sums / loss_scale / weight`` per leaf, in at least float32 (see
+  :func:`_divisors`); 0 where the divisors are unusable, NaN where a sum is
+  not finite. ``wide``: in the compute dtype; ``usable``: the divisors are
+  known usable and the sums finite (no checks)."""
   factors = {}
 
   def one(b):
     ct = numerics.compute_dtype(b.dtype)
     if ct not in factors:
       factors[ct] = _divisors(loss_scale, weight, ct, check=not usable)
-    f1, f2 = factors[ct]
     x = b.astype(ct)
-    g = (x * f1) * f2
+    g = _scaled(x, factors[ct])
     if not usable:
       g = g + (x - x)  # NaN where the sum is NaN or Inf
     return g if wide else g.astype(b.dtype)
@@ -154,9 +163,7 @@ def psum_window(
   out = list(leaves)
   for i, p in enumerate(plans):
     if p.scatter:
-      out[i] = lax.psum_scatter(
-        out[i], p.scatter, scatter_dimension=p.dim, tiled=True
-      )
+      out[i] = tree_utils.reduce_scatter(out[i], p.scatter, p.dim)
   groups: dict[Axes, list[int]] = {}
   for i, p in enumerate(plans):
     if p.psum:
@@ -231,7 +238,6 @@ def _range_mark(sums: Any, loss_scale: Any, divisor: Any, dtypes: Any):
     ct = numerics.compute_dtype(b.dtype)
     if ct not in factors:
       factors[ct] = _divisors(loss_scale, divisor, ct, check=True)
-    f1, f2 = factors[ct]
     zero, x = jnp.zeros((), ct), b.astype(ct)
     if numerics.unpartitioned(b):  # one loop; else XLA gathers partials
       fin, big = lax.reduce(
@@ -242,7 +248,7 @@ def _range_mark(sums: Any, loss_scale: Any, divisor: Any, dtypes: Any):
       )
     else:
       fin, big = jnp.sum(x - x), jnp.max(jnp.abs(x))
-    fits = jnp.isfinite(((big * f1) * f2).astype(b.dtype).astype(out))
+    fits = jnp.isfinite(_scaled(big, factors[ct]).astype(b.dtype).astype(out))
     marks.append((fin + jnp.where(fits, zero, jnp.inf)).astype(jnp.float32))
   return sum(marks[1:], marks[0])
 

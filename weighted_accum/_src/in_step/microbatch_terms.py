@@ -226,5 +226,6 @@ def conclude(cfg, call, groups, norms, carry: Any):
     issued=outs[0].issued,
     finite=finite,
     valid=valid,
+    kind="mean",
   )
   return (loss[None] if single else loss), out

@@ -97,7 +97,8 @@ def _shard_like(x: Any, leaf: layout_.Leaf) -> Any:
   size = math.prod(lax.axis_size(a) for a in leaf.scatter)
   shape = list(jnp.shape(x))
   shape[leaf.dim] //= size
-  return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+  typed = jax.typeof(x).sharding  # its Explicit axes kept on the shard
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x), sharding=typed)
 
 
 def _scattered(lay: Layout, state: Any, grads: Any, weight: Any, mean: bool):
@@ -114,9 +115,7 @@ def _scattered(lay: Layout, state: Any, grads: Any, weight: Any, mean: bool):
     c = numerics.mean_contribution(g, w, dt) if mean else g.astype(dt)
     c = jnp.where(take, c, jnp.zeros((), dt))
     if leaf.scatter:
-      c = lax.psum_scatter(
-        c, leaf.scatter, scatter_dimension=leaf.dim, tiled=True
-      )
+      c = tree_utils.reduce_scatter(c, leaf.scatter, leaf.dim)
     out.append(c)
   return jax.tree.unflatten(treedef, out)
 
@@ -210,15 +209,7 @@ def _leaf(spec, mesh, is_explicit, path, x, axes) -> layout_.Leaf:
       what=f"{_WHAT}(axis_name={axes}): param {path}",
       hint=f"The spec is from {where}.",
     )
-  e = layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
-  others = set().union(*map(layout_.names, spec)) - set(axes) if spec else ()
-  if is_explicit and e.scatter and others:
-    raise WeightedAccumulationError(
-      f"{_WHAT}(axis_name={axes}): param {path} is typed {spec} on an Explicit"
-      f" mesh, over the data axes and {tuple(sorted(others))}: a reduce-scatter"
-      " cannot keep both; use an Auto mesh with DataParallel(param_specs=...)."
-    )
-  return e
+  return layout_.leaf(spec, axes, jnp.ndim(x), path, what=_WHAT)
 
 
 def _gathered(cfg: Any, args: tuple, pl: _Plan) -> tuple:
@@ -275,7 +266,8 @@ def _split(cfg: Any, call: tuple, pl: _Plan) -> tuple[list, list, Callable]:
 def _out_specs(cfg: Any, pl: _Plan) -> Any:
   """``f``'s ``shard_map`` out specs, the gradients' on their layout."""
   specs = [layout_.grad_spec(e) for e in pl.lay.leaves]
-  out = AccumulatedGradients(jax.tree.unflatten(pl.grads, specs), *[P()] * 5)
+  grads = jax.tree.unflatten(pl.grads, specs)
+  out = AccumulatedGradients(grads, *[P()] * 5, kind="mean")
   if cfg.has_aux:
     return (P(), P(None, layout_.entry(pl.lay.axes))), out
   return P(), out

@@ -44,9 +44,11 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
   and ``aggregate`` on per-example values): the microbatched function
   returns ``((loss, weight), grads)`` and the result is ``((mean_loss,
   total_weight), mean_grads)``, the exact full-batch values (MEAN divides by
-  the microbatch count). Weight 0 adds nothing (even NaN); a negative, NaN or
-  infinite weight makes the loss, weight and grads NaN (caught by e.g.
-  ``optax.apply_if_finite``), as it cannot raise inside optax's loop.
+  the microbatch count). Weight 0 adds nothing (even NaN). A negative, NaN or
+  infinite weight cannot raise inside optax's loop: the microbatch (or, in
+  ``aggregate``, the example) is rejected, the loss and grads are NaN
+  (caught by e.g. ``optax.apply_if_finite``) and the weight is minus the
+  number rejected, never 0 and never a total weight.
 
   Args:
     mode: required. ``"sum"`` when ``loss`` is the microbatch's loss SUM,
@@ -86,10 +88,10 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
   def init(value):
     _, _, grads = _unpack_value(value)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), grads)
-    return accumulation.init(zeros, dt), jnp.zeros((), _F32)
+    return accumulation.init(zeros, dt), jnp.zeros((), _F32), jnp.int32(0)
 
   def update(carry, value, _):
-    st, loss_sum = carry
+    st, loss_sum, rejected = carry
     folded = isinstance(value, _Folded)
     loss, weight, grads = _unpack_value(value)
     as_mean = mean or folded
@@ -100,16 +102,19 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
     w = (jnp.asarray(wt.hi) + jnp.asarray(wt.lo)).astype(_F32)
     part = jnp.asarray(loss, _F32) * (w if as_mean else 1.0)
     took = (new.rejected == st.rejected) & (w > 0)
-    return new, loss_sum + jnp.where(took, part, 0.0)
+    # A folded value's negative weight counts its rejected examples.
+    n = -jnp.asarray(weight, _F32) if folded else jnp.float32(1)
+    n = jnp.where(new.rejected == st.rejected, 0, jnp.where(n >= 1, n, 1))
+    return new, loss_sum + jnp.where(took, part, 0.0), rejected + n.astype(int)
 
   def finalize(carry):
-    st, loss_sum = carry
+    st, loss_sum, rejected = carry
     out, _ = window.finish(st, mean=True, what=what)
     loss = jnp.where(out.weight > 0, loss_sum / out.weight, 0.0)
-    bad = st.rejected > 0
+    bad = rejected > 0
     nan = lambda x: jnp.where(bad, jnp.asarray(jnp.nan, x.dtype), x)
-    grads = jax.tree.map(nan, out.grads)
-    return (nan(loss), nan(out.weight)), grads
+    weight = jnp.where(bad, -rejected.astype(_F32), out.weight)
+    return (nan(loss), weight), jax.tree.map(nan, out.grads)
 
   def aggregate(values):
     """Per-example values (leading axis) folded on the same paths."""

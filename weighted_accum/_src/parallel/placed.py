@@ -151,15 +151,13 @@ def apply_window(tx, state, params, opt_state, ls):
 
 
 def _explicit_leaves(params, axes: tuple[str, ...]) -> tuple:
-  """Each param's layout over Explicit data axes (reduce-scattered only where
-  its spec names no other Explicit axis; those are psummed)."""
-  out = []
-  for path, p in tree_utils.flat(params):
-    spec = jax.typeof(p).sharding.spec
-    e = layout_.leaf(spec, axes, p.ndim, path, what="apply_window")
-    on = {a for en in e.spec or () for a in layout_.names(en)}
-    out.append(e if on <= set(axes) else layout_.Leaf(e.spec))
-  return tuple(out)
+  """Each param's layout over Explicit data axes (reduce-scattered there)."""
+  return tuple(
+    layout_.leaf(
+      jax.typeof(p).sharding.spec, axes, p.ndim, path, what="apply_window"
+    )
+    for path, p in tree_utils.flat(params)
+  )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))

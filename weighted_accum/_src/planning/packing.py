@@ -4,15 +4,17 @@ and masks explicit; and ``plan_batch``, which plans and packs."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
 from weighted_accum._src.planning import planner
 from weighted_accum._src.planning import spec as spec_
 from weighted_accum._src.planning.planner import LENGTH
+from weighted_accum._src.planning.planner import OFFSET
 from weighted_accum._src.planning.planner import POS
 from weighted_accum._src.planning.planner import REPLICA
 from weighted_accum._src.planning.planner import ROW
@@ -22,28 +24,70 @@ from weighted_accum._src.planning.planner import START
 from weighted_accum._src.planning.spec import PlanSpec
 
 
+class Rows(NamedTuple):
+  """A microbatch as ``loss_fn`` gets it from a spec that does not pack:
+  ``(rows, mask)``, the batch's tree at ``[rows, length, ...]`` (padding
+  zeros) and the float32 mask of real tokens."""
+
+  rows: Any
+  mask: Any
+
+  @property
+  def segment_ids(self):
+    raise _not_packed("segment_ids")
+
+  @property
+  def positions(self):
+    raise _not_packed("positions")
+
+
+def _not_packed(name: str) -> WeightedAccumulationError:
+  return WeightedAccumulationError(
+    f"microbatch.{name}: this spec does not pack (one row per row of the "
+    "microbatch, positions from 0); build the PlanSpec with pack=True."
+  )
+
+
+class PackedRows(NamedTuple):
+  """A microbatch as ``loss_fn`` gets it from a spec that packs: ``rows``
+  and ``mask`` as ``Rows``'s, with int32 ``segment_ids`` ``[rows,
+  length]`` (0 on padding, 1, 2, ... per segment of a row) and
+  ``positions`` (each token's place in its segment, from 0)."""
+
+  rows: Any
+  mask: Any
+  segment_ids: Any
+  positions: Any
+
+
 @jax.tree_util.register_pytree_node_class
 class Packed:
-  """A batch planned and packed for one spec (a pytree; the spec is static).
+  """A batch planned and packed for one spec (a pytree; the spec is static):
+  what crosses to the device, each shape's microbatches sliced from it
+  there (``shapes``).
 
   Attributes:
     spec: the :class:`PlanSpec` it was planned for.
-    shapes: per shape of ``spec.shapes``, ``(rows, mask)``: the batch's
-      tree with leaves ``[replicas * capacity * rows, length, ...]``
-      (replica-major, then slot, then row; padding zeros) and the float32
-      mask of real tokens.
+    data: the batch's tree with leaves ``[replicas, batch_rows * longest
+      bucket, ...]``: each replica's real tokens, packed row after packed
+      row (the size of a batch padded to the longest bucket).
+    index: int32 ``[replicas, 2, rows]``: each packed row's first token in
+      ``data`` and its tokens, the rows of every shape's slots one after
+      another.
+    starts: int8 ``[replicas, batch_rows * longest bucket]``: 1 where a
+      segment starts (``None`` unless the spec packs).
     counts: int32 ``[replicas, len(spec.shapes)]``: the slots that hold a
-      microbatch (the only values that vary from batch to batch besides
-      the data).
+      microbatch.
     plan: the host-side plan (``None`` once it has passed through a
       transformation): ``plan.pieces`` says where each row went.
   """
 
-  def __init__(self, spec, shapes, counts, plan=None):
-    self.spec, self.shapes, self.counts, self.plan = spec, shapes, counts, plan
+  def __init__(self, spec, data, index, starts, counts, plan=None):
+    self.spec, self.data, self.index = spec, data, index
+    self.starts, self.counts, self.plan = starts, counts, plan
 
   def tree_flatten(self):
-    return (self.shapes, self.counts), self.spec
+    return (self.data, self.index, self.starts, self.counts), self.spec
 
   @classmethod
   def tree_unflatten(cls, spec, children):
@@ -51,6 +95,47 @@ class Packed:
 
   def __repr__(self) -> str:
     return f"Packed(spec={self.spec!r}, counts={self.counts!r})"
+
+  @functools.cached_property
+  def shapes(self) -> tuple:
+    """Per shape of ``spec.shapes``, the microbatches of its slots as one
+    ``Rows`` (or ``PackedRows``) with leaves ``[replicas *
+    capacity * rows, length, ...]`` (replica-major, then slot, then row),
+    gathered from ``data`` (on the device, inside the step)."""
+    return _unpack(self)
+
+
+def _unpack(p: Packed) -> tuple:
+  """``Packed.shapes``: each shape's rows gathered from the buffer (padding
+  zeros), the mask, and with packing the segments and their positions."""
+  spec, r, width = p.spec, p.counts.shape[0], _width(p.spec)
+  base = width * jnp.arange(r)[:, None]
+  data = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), p.data)
+  if spec.pack:  # per token: segments so far, and tokens since its start
+    marks, token = p.starts.reshape(-1), jnp.arange(r * width)
+    segment = jnp.cumsum(marks.astype(jnp.int32))
+    position = token - jax.lax.cummax(jnp.where(marks > 0, token, 0))
+  out, first = [], 0
+  for (rows, n), cap in zip(spec.shapes, spec.capacities):
+    start = (p.index[:, 0, first : first + cap * rows] + base).reshape(-1)
+    fill = p.index[:, 1, first : first + cap * rows].reshape(-1)
+    first += cap * rows
+    at = jnp.minimum(start[:, None] + jnp.arange(n), r * width - 1)
+    real = jnp.arange(n) < fill[:, None]
+    take = lambda x, real=real, at=at: jnp.where(
+      real.reshape(real.shape + (1,) * (x.ndim - 1)), x[at], 0
+    )
+    mb = (jax.tree.map(take, data), real.astype(jnp.float32))
+    if spec.pack:
+      seg = segment[at] - segment[start][:, None] + 1
+      mb += (jnp.where(real, seg, 0), jnp.where(real, position[at], 0))
+    out.append((PackedRows if spec.pack else Rows)(*mb))
+  return tuple(out)
+
+
+def _width(spec: PlanSpec) -> int:
+  """Each replica's tokens in ``Packed.data``."""
+  return spec.batch_rows * spec.buckets[-1]
 
 
 def _leaves(batch: Any, n: int, longest: int) -> tuple[list, Any]:
@@ -86,43 +171,37 @@ def _lengths(spec: PlanSpec, lengths: Any) -> np.ndarray:
   return lengths.astype(np.int64)
 
 
-@functools.lru_cache(maxsize=64)
-def _layout(spec: PlanSpec) -> tuple[np.ndarray, int]:
-  """Each shape's first token in one flat buffer of all shapes, and its
-  size."""
-  sizes = [spec.replicas * c * r * n for (r, n), c in
-           zip(spec.shapes, spec.capacities)]  # fmt: skip
-  return np.cumsum([0] + sizes[:-1]), sum(sizes)
-
-
 def pack(spec: PlanSpec, batch: Any, lengths: np.ndarray, plan) -> Packed:
-  """The batch's rows copied where ``plan`` puts them: every shape a view
-  of one zeroed buffer per leaf, every real token written by one
-  scatter."""
+  """The batch's rows copied where ``plan`` puts them: each replica's
+  packed rows one after another in one buffer per leaf (one scatter of the
+  real tokens), and the index of each shape's rows in it."""
   leaves, treedef = _leaves(batch, len(lengths), int(lengths.max(initial=0)))
-  p, (first, size) = plan.pieces, _layout(spec)
-  caps, shapes = np.asarray(spec.capacities), np.asarray(spec.shapes)
-  rows, length = shapes[p[:, SHAPE], 0], shapes[p[:, SHAPE], 1]
-  slot = (p[:, REPLICA] * caps[p[:, SHAPE]] + p[:, SLOT]) * rows + p[:, POS]
+  p, width, reps = plan.pieces, _width(spec), spec.replicas
+  sizes = [c * r for c, (r, _) in zip(spec.capacities, spec.shapes)]
+  rows = np.asarray(spec.shapes)[:, 0]
+  at = (np.cumsum([0] + sizes[:-1])[p[:, SHAPE]] + p[:, SLOT]
+        * rows[p[:, SHAPE]] + p[:, POS] + p[:, REPLICA] * sum(sizes))  # fmt: skip
+  fill = np.bincount(at, p[:, LENGTH], reps * sum(sizes)).astype(np.int64)
+  fill = fill.reshape(reps, -1)  # no replica has more than batch_rows rows:
+  start = np.cumsum(fill, 1) - fill  # its tokens fit its part of the buffer
   n = p[:, LENGTH]
+  first = p[:, REPLICA] * width + start.reshape(-1)[at] + p[:, OFFSET]
   token = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
-  dest = np.repeat(first[p[:, SHAPE]] + slot * length, n) + token
-  mask = np.zeros(size, np.float32)
-  mask[dest] = 1.0
+  dest = np.repeat(first, n) + token
   arrays = []
   for x in leaves:
     src = np.repeat(p[:, ROW] * x.shape[1] + p[:, START], n) + token
-    flat = x.reshape((-1,) + x.shape[2:])
-    buf = np.zeros((size,) + x.shape[2:], x.dtype)
-    buf[dest] = flat[src]
-    arrays.append(buf)
-  out = []
-  for s, (_, n) in enumerate(spec.shapes):
-    end = first[s + 1] if s + 1 < len(first) else size
-    views = [a[first[s] : end].reshape((-1, n) + a.shape[1:]) for a in arrays]
-    view = mask[first[s] : end].reshape(-1, n)
-    out.append((jax.tree.unflatten(treedef, views), view))
-  return Packed(spec, tuple(out), plan.counts, plan)
+    buf = np.zeros((reps * width,) + x.shape[2:], x.dtype)
+    buf[dest] = x.reshape((-1,) + x.shape[2:])[src]
+    arrays.append(buf.reshape((reps, width) + x.shape[2:]))
+  starts = None
+  if spec.pack:
+    starts = np.zeros(reps * width, np.int8)
+    starts[first] = 1
+    starts = starts.reshape(reps, width)
+  index = np.stack([start, fill], 1).astype(np.int32)
+  data = jax.tree.unflatten(treedef, arrays)
+  return Packed(spec, data, index, starts, plan.counts, plan)
 
 
 def plan_batch(
@@ -136,6 +215,19 @@ def plan_batch(
   spec, at the least cost by the model (a dynamic program over the rows
   sorted longest first). Ties between equal lengths are broken by
   ``seed``: the plan is a function of ``(spec, lengths, seed)``.
+
+  With ``spec.pack``, rows (longest first) are first packed first-fit into
+  rows of a bucket's length (a row opens a new packed row of its own
+  bucket's length when no open one has room; with one bucket, Grain's
+  first-fit packing of the rows sorted longest first), and the packed rows
+  are planned as rows. ``loss_fn`` then gets ``PackedRows``: beside
+  ``rows`` and ``mask``, ``segment_ids`` (0 on padding, ``1, 2, ...`` per
+  segment of a row) and ``positions`` (from 0 in each segment); mask
+  attention by ``causal AND same segment``.
+
+  The packed batch holds each replica's real tokens in one buffer of
+  ``batch_rows x`` the longest bucket per leaf (the size of a padded batch)
+  and a small index; the step slices the shapes from it on the device.
 
   Args:
     spec: the :class:`PlanSpec`.

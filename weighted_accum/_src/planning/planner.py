@@ -1,4 +1,5 @@
-"""Planning a batch on the host (NumPy): rows to replicas (balanced by
+"""Planning a batch on the host (NumPy): rows packed into bucket-length rows
+when the spec packs (first-fit decreasing), rows to replicas (balanced by
 Karmarkar-Karp), each replica's rows to microbatches and each microbatch to
 a shape of the spec (a dynamic program, optimal for the cost model)."""
 
@@ -7,20 +8,24 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
-from weighted_accum._src.planning.spec import PlanSpec
+
+# spec.py imports this module (``PlanSpec.from_lengths`` plans a sample):
+# the spec is annotated by name only.
+PlanSpec = Any
 
 # Columns of ``Plan.pieces``: a piece is a row, or a part of a split row.
-ROW, START, LENGTH, REPLICA, SHAPE, SLOT, POS = range(7)
+ROW, START, LENGTH, REPLICA, SHAPE, SLOT, POS, OFFSET = range(8)
 
 
 class Plan(NamedTuple):
-  """Where each piece of each row goes: ``pieces[:, ROW..POS]`` (row, first
-  token, tokens, replica, shape, microbatch slot, row in the microbatch);
+  """Where each piece of each row goes: ``pieces[:, ROW..OFFSET]`` (row,
+  first token, tokens, replica, shape, microbatch slot, row in the
+  microbatch, first token in that row: 0 unless the spec packs);
   ``counts[r, s]`` microbatches of shape ``s`` on replica ``r``; ``costs[r]``
   replica ``r``'s cost by the model."""
 
@@ -157,22 +162,44 @@ def _rebalance(spec: PlanSpec, counts: list[list[int]]) -> list[list[int]]:
   return counts
 
 
+def _first_fit(spec: PlanSpec, n: np.ndarray) -> tuple[np.ndarray, ...]:
+  """Pieces of ``n`` tokens (longest first) packed first-fit decreasing:
+  each into the first open row with room, else into a new row of the
+  piece's bucket length. Returns each piece's row and first token, and the
+  rows' tokens (longest bucket first, as the pieces)."""
+  room, fill = np.zeros((2, len(n)), np.int64)  # the open rows'
+  used, row, first = 0, np.zeros_like(n), np.zeros_like(n)
+  for i, k in enumerate(n.tolist()):
+    j = int(np.argmax(room[:used] >= k)) if used else 0
+    if not used or room[j] < k:
+      j, used = used, used + 1
+      room[j] = spec.buckets[np.searchsorted(spec.buckets, k)]
+    row[i], first[i] = j, fill[j]
+    room[j], fill[j] = room[j] - k, fill[j] + k
+  return row, first, fill[:used]
+
+
 def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
   """The plan of one batch of rows of ``lengths`` tokens (see module)."""
   pieces = _pieces(spec, lengths)
-  n, k = len(pieces), spec.replicas
-  rows = n + int(np.sum(lengths == 0))  # an empty row counts, as a row
+  k = spec.replicas
+  rows = len(pieces) + int(np.sum(lengths == 0))  # an empty row counts
   if rows > k * spec.batch_rows:
     raise WeightedAccumulationError(
       f"plan_batch: the batch has {rows} rows (after overlong='split'), "
       f"more than PlanSpec(replicas={k}, batch_rows={spec.batch_rows}) "
       f"allows: build it with batch_rows={-(-rows // k)}, or pass fewer rows."
     )
-  order = np.random.default_rng(seed).permutation(n)
+  order = np.random.default_rng(seed).permutation(len(pieces))
   order = order[np.argsort(-pieces[order, LENGTH], kind="stable")]
   pieces = pieces[order]
-  bucket = np.searchsorted(spec.buckets, pieces[:, LENGTH]).tolist()
-  per_row = [spec.shape_cost(1, spec.buckets[b]) for b in bucket]
+  unit, offset = np.arange(len(pieces)), np.zeros(len(pieces), np.int64)
+  units = pieces[:, LENGTH]
+  if spec.pack:  # the packed rows are planned as rows
+    unit, offset, units = _first_fit(spec, units)
+  n = len(units)
+  bucket = np.searchsorted(spec.buckets, units).tolist()
+  per_row = [spec.shape_cost(1, spec.buckets[b]) - spec.cost[2] for b in bucket]
   options, shapes = _options(spec), spec.shapes
   parts = [list(range(n))]
   if k > 1:
@@ -196,7 +223,8 @@ def plan(spec: PlanSpec, lengths: np.ndarray, seed: int = 0) -> Plan:
       for pos, i in enumerate(part[first:end]):
         where[i] = (r, s, counts[r][s], pos)
       counts[r][s] += 1
-  out = np.concatenate([pieces, np.asarray(where, np.int64).reshape(n, 4)], 1)
+  where = np.asarray(where, np.int64).reshape(n, 4)[unit]
+  out = np.concatenate([pieces, where, offset[:, None]], 1)
   counts = np.asarray(counts, np.int32)
   full = counts > np.asarray(spec.capacities)[None]
   if full.any():

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import numbers
+from typing import Any
+
+import numpy as np
 
 from weighted_accum._src.errors import WeightedAccumulationError
+from weighted_accum._src.planning import planner
 
 OVERLONG = ("refuse", "truncate", "split")
+OVERHEAD = 64.0  # a microbatch's fixed cost, in tokens (the default model)
 
 
 def _ints(value, what: str) -> tuple[int, ...]:
@@ -61,8 +67,16 @@ class PlanSpec:
     overlong: a row longer than the largest bucket: ``"refuse"`` it,
       ``"truncate"`` it to that bucket, or ``"split"`` it into rows of at
       most that length (each piece loses the context before it).
-    cost: FLOPs per token and per (token, token) pair of a row; the default
-      is a decoder of width 128 (pairs cost ``1 / (6 d)`` of a token).
+    cost: the cost model, ``(per token, per (token, token) pair of a row,
+      per microbatch)``, in units of one token's FLOPs; the default is a
+      decoder of width 128 (pairs cost ``1 / (6 d)`` of a token) with a
+      microbatch's fixed cost (a loop step, the kernels' launches) worth
+      ``OVERHEAD`` tokens. A pair ``(per token, per pair)`` takes that
+      overhead. ``python -m benchmarks planning --calibrate`` fits all three
+      on your machine.
+    pack: pack rows first-fit decreasing into rows of a bucket's length
+      (several segments per row) before planning; the microbatch then
+      carries ``segment_ids`` and ``positions`` (see :func:`plan_batch`).
 
   Example:
     >>> from weighted_accum.planning import PlanSpec
@@ -77,7 +91,8 @@ class PlanSpec:
   row_divisors: tuple[int, ...] = (1, 2, 4, 8)
   replicas: int = 1
   overlong: str = "refuse"
-  cost: tuple[float, float] = (1.0, 1.0 / 768)
+  cost: tuple[float, ...] = (1.0, 1.0 / 768, OVERHEAD)
+  pack: bool = False
 
   def __post_init__(self):
     put = lambda k, v: object.__setattr__(self, k, v)
@@ -96,12 +111,17 @@ class PlanSpec:
         f"PlanSpec(overlong={self.overlong!r}): one of {OVERLONG}."
       )
     cost = tuple(float(c) for c in self.cost)
-    if len(cost) != 2 or not all(math.isfinite(c) and c >= 0 for c in cost):
+    cost += (OVERHEAD,) * (len(cost) == 2)
+    if len(cost) != 3 or not all(math.isfinite(c) and c >= 0 for c in cost):
       raise WeightedAccumulationError(
-        f"PlanSpec(cost={self.cost!r}): (per token, per token pair), two "
-        "finite non-negative numbers."
+        f"PlanSpec(cost={self.cost!r}): (per token, per token pair[, per "
+        "microbatch]), finite non-negative numbers."
       )
     put("cost", cost)
+    if not isinstance(self.pack, bool):
+      raise WeightedAccumulationError(
+        f"PlanSpec(pack={self.pack!r}): True or False."
+      )
 
   @functools.cached_property
   def shapes(self) -> tuple[tuple[int, int], ...]:
@@ -122,5 +142,68 @@ class PlanSpec:
     return tuple(-(-self.batch_rows // r) for r, _ in self.shapes)
 
   def shape_cost(self, rows: int, length: int) -> float:
-    """The cost model's FLOPs of one microbatch of ``rows`` x ``length``."""
-    return rows * (self.cost[0] * length + self.cost[1] * length * length)
+    """The cost model's cost of one microbatch of ``rows`` x ``length``."""
+    a, b, c = self.cost
+    return rows * (a * length + b * length * length) + c
+
+  @classmethod
+  def from_lengths(
+    cls,
+    sample_lengths: Any,
+    *,
+    budget: int,
+    batch_rows: int,
+    max_shapes: int = 3,
+    longest: int | None = None,
+    **options: Any,
+  ) -> PlanSpec:
+    """The spec of at most ``max_shapes`` shapes whose plans of a sample of
+    row lengths cost least by the cost model.
+
+    The candidates: buckets ``longest`` (default: the sample's longest row)
+    and up to ``max_shapes - 1`` powers of two from 8 below it, sub-shapes
+    ``(1,)``, ``(1, 2)``, ``(1, 2, 4)``... while the shapes number at most
+    ``max_shapes`` (each shape is one more compiled loop). Each is scored
+    by planning the sample cut into batches of ``batch_rows x replicas``
+    rows (up to 16) and summing each batch's slowest replica; the cheapest
+    wins, fewer shapes on a tie.
+
+    Args:
+      sample_lengths: row lengths like those to come (ints >= 1).
+      budget, batch_rows: as the constructor's.
+      max_shapes: the most compiled shapes.
+      longest: the largest bucket (with ``overlong=`` for longer rows).
+      **options: the constructor's other arguments (``replicas``,
+        ``pack``, ``overlong``, ``cost``), kept as given.
+
+    Returns:
+      The chosen :class:`PlanSpec`.
+
+    Example:
+      >>> import numpy as np
+      >>> from weighted_accum.planning import PlanSpec
+      >>> lengths = np.r_[np.full(60, 20), np.full(4, 500)]
+      >>> PlanSpec.from_lengths(lengths, budget=1024, batch_rows=64).shapes
+      ((32, 32), (2, 500))
+    """
+    n = np.asarray(sample_lengths)
+    if n.ndim != 1 or not n.size or n.dtype.kind not in "iu" or n.min() < 1:
+      raise WeightedAccumulationError(
+        f"PlanSpec.from_lengths(sample_lengths): got {n.dtype} {n.shape}; "
+        "pass a non-empty sequence of ints >= 1 (the rows' lengths)."
+      )
+    top = int(longest or n.max())
+    lows = [2**k for k in range(3, top.bit_length()) if 2**k < top]
+    step = batch_rows * options.get("replicas", 1)
+    batches = [n[i : i + step] for i in range(0, n.size, step)][:16]
+    best = None
+    for k, divs in itertools.product(range(max_shapes), range(1, 5)):
+      for low in itertools.combinations(lows, k):
+        spec = cls(low + (top,), budget, batch_rows,
+                   tuple(2**i for i in range(divs)), **options)  # fmt: skip
+        if len(spec.shapes) > max_shapes:
+          continue
+        cost = sum(planner.plan(spec, b).costs.max() for b in batches)
+        key = (cost, len(spec.shapes))
+        best = min(best or (key, spec), (key, spec), key=lambda x: x[0])
+    return best[1]

@@ -255,7 +255,9 @@ def planned_value_and_grad(
   Args:
     loss_fn: called on one microbatch as ``loss_fn(*args)`` with argument
       ``batch_argnum`` set to ``(rows, mask)`` (the batch's tree at
-      ``[rows, length, ...]`` and the float32 mask of real tokens); returns
+      ``[rows, length, ...]`` and the float32 mask of real tokens; with
+      ``spec.pack``, ``(rows, mask, segment_ids, positions)``, named
+      fields, see :func:`plan_batch`); returns
       what :func:`~weighted_accum.microbatched_value_and_grad`'s
       ``loss_fn`` returns (``(loss, weight)``, with aux, new state).
     spec: the :class:`PlanSpec` the batches are planned with.

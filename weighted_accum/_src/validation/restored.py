@@ -21,8 +21,7 @@ _CORRUPT = "The checkpoint is corrupt."
 
 
 def _saved_value(kind: str, where: str, v: Any, dt: np.dtype) -> Any:
-  """One counter in its stored dtype: a count whole, a weight part exactly,
-  a scale as a loss scale (NaN: an unusable window, restored as saved)."""
+  """A count whole, a weight part exact, a scale a loss scale or NaN."""
   is_bool = (
     isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", 0) == np.bool_
   )
@@ -72,8 +71,8 @@ def saved_counters(
   *,
   what: str,
 ) -> dict[str, Any]:
-  """The counters to store (``base.COUNTERS``' kinds; ``total_weight``
-  may stand for the weight pair; a missing counter takes its initial)."""
+  """The counters to store, checked together; ``total_weight`` may stand
+  for the weight pair, a missing counter takes its initial value."""
   known = {name for name, _ in table} | {"total_weight"}
   got = dict(counters) if isinstance(counters, Mapping) else {None: None}
   unknown = sorted(map(str, set(got) - known))
