@@ -59,7 +59,6 @@ def configure(
   split,
   state_argnums,
   key_argnums,
-  **_: Any,  # unused: the planned step passes batch_argnames=, in_axes=
 ) -> Roles:
   """Validates the roles (each named in its error) and their disjointness."""
   hint = "pass num_real_microbatches to run fewer without recompiling."

@@ -79,8 +79,8 @@ class _Planned:
     self.grads_dtype = kw.pop("grads_dtype")
     self.roles = margs.configure(
       _WHAT, num_microbatches=1, microbatch_size=None,
-      argnums=kw["argnums"], batch_argnums=batch_argnum, batch_argnames=(),
-      in_axes=0, state_argnums=state_argnums,
+      argnums=kw["argnums"], batch_argnums=batch_argnum,
+      state_argnums=state_argnums,
       key_argnums=kw["key_argnums"], split="contiguous",
     )  # fmt: skip
     self.state_argnums = self.roles.state_argnums
