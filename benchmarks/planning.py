@@ -6,8 +6,12 @@ batches of variable-length rows. Methods, on the same batches, interleaved
 (each round runs every method on one batch): padding every row to 512 at
 K = 8 microbatches (``wa.microbatched_value_and_grad``); first-fit packing
 into rows of 512 (Grain's ``FirstFitPackIterDataset`` on the rows sorted
-longest first), in microbatches of 8 and of 2 packed rows, each weighted
-by its real tokens, only the filled microbatches run; and the packing plan
+longest first), in microbatches of 8 and of 2 packed rows (the targets'
+baselines) and of 1 (a microbatch of 512 tokens, as small as the plan's
+on the lognormal lengths: on a CPU, whose caches favour small
+microbatches, it separates the plan's gain from its buckets from that of
+its small microbatches), each weighted by its real tokens, only the filled
+microbatches run; and the packing plan
 (``PlanSpec.from_lengths(..., pack=True)`` on a separate sample of the
 distribution, at most 3 shapes). ``--lengths`` and ``--widths`` pick the
 distributions and widths to run. Lengths: lognormal (median 60, sigma 1,
@@ -45,6 +49,7 @@ SIZES = {
   ),
 }
 VOCAB = 257
+PACKED_ROWS = (8, 2, 1)  # packed rows per microbatch, the baselines
 
 
 def _params(c, seed=0):
@@ -207,7 +212,7 @@ def _steps(c):
         padded, c["rows"] // r, mode="sum", split="contiguous"
       )
     )
-    for r in (8, 2)
+    for r in PACKED_ROWS
   }
   return base, packs, {}
 
@@ -236,8 +241,8 @@ def _prepare(c, draw, specs, rng):
       best = min(best, (time.perf_counter() - t0) * 1e3)
     ms[key] = best
   packed, bins = _first_fit(rows, lengths, c["top"], c["rows"])
-  for r in (8, 2):
-    args[f"packed, {r} rows"] = (packed, np.int32(-(-bins // r)))
+  for r in PACKED_ROWS:
+    args[f"packed, {r} row{'s' * (r > 1)}"] = (packed, np.int32(-(-bins // r)))
   return lengths, args, ms, bins
 
 
@@ -255,7 +260,7 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
     ),
   }
   for r, f in packs.items():
-    fns[f"packed, {r} rows"] = jax.jit(
+    fns[f"packed, {r} row{'s' * (r > 1)}"] = jax.jit(
       lambda p, b, f=f: f(p, b[0], num_real_microbatches=b[1])
     )
   params = _params(c)
@@ -352,6 +357,10 @@ def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
   fit = optimize.nnls(x / t[:, None], np.ones_like(t))[0]
   a, b, o, s = fit
   worst = float(np.max(np.abs(x @ fit / t - 1)))
+  for (tokens, pairs, k, _), got, want in zip(rows, t, x @ fit):
+    n = int(pairs // tokens)
+    print(f"  K={int(k)} x {int(tokens // k // n)} rows x {n}: "
+          f"{got * 1e3:.1f} ms, fitted {want * 1e3:.1f} ms")  # fmt: skip
   cost = (1.0, float(b / a), float(o / a))
   print(f"d={c['dim']}: per token {a * 1e9:.1f} ns, per pair {b * 1e9:.3f} "
         f"ns, per microbatch {o * 1e6:.0f} us, per step {s * 1e6:.0f} us; "
@@ -415,7 +424,7 @@ def run(cfg: h.Settings) -> dict:
   return dict(config=c, rows=rows, targets=sum(map(_targets, rows), []))
 
 
-METHODS = ("padded", "packed, 8 rows", "packed, 2 rows")
+METHODS = ("padded", "packed, 8 rows", "packed, 2 rows", "packed, 1 row")
 
 
 def markdown(result: dict) -> list[str]:

@@ -161,9 +161,11 @@ class PlanSpec:
     row lengths cost least by the cost model.
 
     The candidates: buckets ``longest`` (default: the sample's longest row)
-    and up to ``max_shapes - 1`` powers of two from 8 below it, sub-shapes
-    ``(1,)``, ``(1, 2)``, ``(1, 2, 4)``... while the shapes number at most
-    ``max_shapes`` (each shape is one more compiled loop). Each is scored
+    and up to ``max_shapes - 1`` powers of two from 8 below it, row
+    divisors a run of powers of two (``(1,)``, ``(1, 2)``, ``(2, 4)``,
+    ``(8,)``...: shapes of ``budget // L``, or ``1/2``, ``1/8``... of it)
+    while the shapes number at most ``max_shapes`` (each shape is one more
+    compiled loop). Each is scored
     by planning the sample cut into batches of ``batch_rows x replicas``
     rows (up to 16) and summing each batch's slowest replica; the cheapest
     wins, fewer shapes on a tie.
