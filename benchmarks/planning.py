@@ -131,7 +131,7 @@ def _docstrings(c, rng):
   if "docstrings" not in _DOCS:
     import ast  # pylint: disable=g-import-not-at-top
 
-    _real_text(c, rng)  # puts examples/ on the path
+    _real_text(c, np.random.default_rng(0))  # examples/ on the path
     from stdlib_lm import data  # pylint: disable=g-import-not-at-top
 
     found = []
