@@ -57,6 +57,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--sizes", help="comma-separated parameter counts, e.g. 1M,16M"
   )
+  p.add_argument(
+    "--lengths",
+    help="with planning: comma-separated distributions, e.g. lognormal",
+  )
+  p.add_argument(
+    "--widths", help="with planning: comma-separated model widths, e.g. 128"
+  )
   p.add_argument("--out", type=Path, help="results folder")
   p.add_argument(
     "--calibrate",
@@ -134,13 +141,15 @@ def run_family(name: str, cfg, out_dir: Path, command: str, allocator: str):
 def _settings(args: argparse.Namespace):
   from benchmarks import harness
 
-  sizes = args.sizes and tuple(x.strip() for x in args.sizes.split(","))
+  split = lambda s: s and tuple(x.strip() for x in s.split(","))
   return harness.Settings(
     smoke=args.smoke,
     full=args.full,
     runs=args.runs,
     warmup=args.warmup,
-    sizes=sizes or None,
+    sizes=split(args.sizes) or None,
+    lengths=split(args.lengths) or None,
+    widths=args.widths and tuple(map(int, split(args.widths))),
   )
 
 

@@ -42,6 +42,9 @@ class Settings:
   runs: int | None = None  # timed rounds; None: each family's default
   warmup: int | None = None  # warm-up rounds; None: each family's default
   sizes: tuple[str, ...] | None = None  # overrides each family's default
+  # planning: the length distributions and model widths to run (None: all)
+  lengths: tuple[str, ...] | None = None
+  widths: tuple[int, ...] | None = None
 
 
 def sizes(cfg: Settings, default=("1M", "16M", "64M")) -> list[str]:

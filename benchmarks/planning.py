@@ -6,11 +6,15 @@ batches of variable-length rows. Methods, on the same batches, interleaved
 (each round runs every method on one batch): padding every row to 512 at
 K = 8 microbatches (``wa.microbatched_value_and_grad``); first-fit packing
 into rows of 512 (Grain's ``FirstFitPackIterDataset`` on the rows sorted
-longest first), in microbatches of 8 and of 2 packed rows, each weighted
-by its real tokens, only the filled microbatches run; the plan without
-packing (buckets 32 to 512, the default sub-shapes); and the packing plan
+longest first), in microbatches of 8 and of 2 packed rows (the targets'
+baselines) and of 1 (a microbatch of 512 tokens, as small as the plan's
+on the lognormal lengths: on a CPU, whose caches favour small
+microbatches, it separates the plan's gain from its buckets from that of
+its small microbatches), each weighted by its real tokens, only the filled
+microbatches run; and the packing plan
 (``PlanSpec.from_lengths(..., pack=True)`` on a separate sample of the
-distribution, at most 3 shapes). Lengths: lognormal (median 60, sigma 1,
+distribution, at most 3 shapes). ``--lengths`` and ``--widths`` pick the
+distributions and widths to run. Lengths: lognormal (median 60, sigma 1,
 clipped to [8, 512]), the standard library's docstrings (one per row,
 bytes, cut at 512) and, at width 128, the real-text corpus's documents
 (``examples/stdlib_lm``, cut at 512). Per distribution: real tokens/s of the
@@ -45,6 +49,7 @@ SIZES = {
   ),
 }
 VOCAB = 257
+PACKED_ROWS = (8, 2, 1)  # packed rows per microbatch, the baselines
 
 
 def _params(c, seed=0):
@@ -126,7 +131,7 @@ def _docstrings(c, rng):
   if "docstrings" not in _DOCS:
     import ast  # pylint: disable=g-import-not-at-top
 
-    _real_text(c, rng)  # puts examples/ on the path
+    _real_text(c, np.random.default_rng(0))  # examples/ on the path
     from stdlib_lm import data  # pylint: disable=g-import-not-at-top
 
     found = []
@@ -198,25 +203,18 @@ def _compiled(cache, key, fn, *args):
 
 
 def _steps(c):
-  """The spec and both jitted steps (shared by the distributions)."""
-  spec = planning.PlanSpec(
-    buckets=[b for b in (32, 64, 128, 256, 512) if b <= c["top"]] or [c["top"]],
-    budget=c["budget"],
-    batch_rows=c["rows"],
-    cost=(1.0, 1.0 / (6 * c["dim"])),
-  )
-  padded, planned = _loss_fn(c["heads"])
+  """The padded and the packed steps (shared by the distributions)."""
+  padded = _loss_fn(c["heads"])[0]
   base = jax.jit(wa.microbatched_value_and_grad(padded, 8, mode="sum"))
-  step = jax.jit(planning.planned_value_and_grad(planned, spec, mode="sum"))
   packs = {  # first-fit packed rows, r per microbatch, the filled ones run
     r: jax.jit(
       wa.microbatched_value_and_grad(
         padded, c["rows"] // r, mode="sum", split="contiguous"
       )
     )
-    for r in (8, 2)
+    for r in PACKED_ROWS
   }
-  return spec, base, step, packs, {}
+  return base, packs, {}
 
 
 def _packed_spec(c, draw):
@@ -243,19 +241,18 @@ def _prepare(c, draw, specs, rng):
       best = min(best, (time.perf_counter() - t0) * 1e3)
     ms[key] = best
   packed, bins = _first_fit(rows, lengths, c["top"], c["rows"])
-  for r in (8, 2):
-    args[f"packed, {r} rows"] = (packed, np.int32(-(-bins // r)))
+  for r in PACKED_ROWS:
+    args[f"packed, {r} row{'s' * (r > 1)}"] = (packed, np.int32(-(-bins // r)))
   return lengths, args, ms, bins
 
 
 def _distribution(c, name, draw, cfg, steps) -> dict:
   rng = np.random.default_rng(0)
-  spec, base, step, packs, cache = steps
+  base, packs, cache = steps
   pspec = _packed_spec(c, draw)
-  specs = {"planned": spec, "planned, packed": pspec}
+  specs = {"planned, packed": pspec}
   fns = {
     "padded": base,
-    "planned": step,
     "planned, packed": jax.jit(
       planning.planned_value_and_grad(
         _loss_fn(c["heads"])[1], pspec, mode="sum"
@@ -263,7 +260,7 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
     ),
   }
   for r, f in packs.items():
-    fns[f"packed, {r} rows"] = jax.jit(
+    fns[f"packed, {r} row{'s' * (r > 1)}"] = jax.jit(
       lambda p, b, f=f: f(p, b[0], num_real_microbatches=b[1])
     )
   params = _params(c)
@@ -297,14 +294,12 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
   return dict(
     distribution=name,
     dim=c["dim"],
-    shapes=len(spec.shapes),
     packed_shapes=[list(s) for s in pspec.shapes],
     ratios={  # real tokens/s of the packing plan over each method's
       k: float(np.median(np.array(t) / mine)) for k, t in times.items()
     },
     tokens_per_s={k: float(1 / np.median(t)) for k, t in times.items()},
     padded_over_real={
-      "planned": float(np.sum(used("planned", spec)) / np.sum(real)),
       "planned, packed": float(
         np.sum(used("planned, packed", pspec)) / np.sum(real)
       ),
@@ -326,11 +321,18 @@ def _distribution(c, name, draw, cfg, steps) -> dict:
 
 def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
   """Fits ``PlanSpec.cost`` on this machine and prints it: the benchmark's
-  LM, ``K`` microbatches of a few ``(rows, length)`` shapes per step, timed
-  (median of runs); least squares of the step's time on ``K rows L`` (per
-  token), ``K rows L^2`` (per pair), ``K`` (per microbatch) and 1 (the
-  step's own fixed cost), in units of the per-token term."""
+  LM (at ``--widths``' first, else 128) on packed rows (one segment each,
+  the segment mask as packing plans run it), ``K`` microbatches of a few
+  ``(rows, length)`` shapes per step, timed (median of runs). The step's
+  time is fitted on ``K rows L`` (per token), ``K rows L^2`` (per pair),
+  ``K`` (per microbatch) and 1 (the step's own fixed cost) by non-negative
+  least squares of the relative error (each step's time weighs alike,
+  short or long; no term may go below 0, as a spec's cost may not), and
+  printed in units of the per-token term with the fit's worst error."""
+  from scipy import optimize  # pylint: disable=g-import-not-at-top
+
   c = SIZES["smoke" if cfg.smoke else "default"]
+  c = dict(c, dim=(cfg.widths or (c["dim"],))[0])
   top, params = c["top"], _params(c)
   loss = _loss_fn(c["heads"])[0]
   rows, times = [], []
@@ -339,8 +341,10 @@ def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
     for k in (1, 4):
       lengths = np.full(k * r, n)
       batch, mask = _batch(lengths, n, np.random.default_rng(0))
+      seg = dict(segments=mask.astype(np.int32),
+                 positions=np.broadcast_to(np.arange(n, dtype=np.int32), mask.shape))  # fmt: skip
       f = jax.jit(wa.microbatched_value_and_grad(loss, k, mode="sum"))
-      args = (params, dict(batch, mask=mask))
+      args = (params, dict(batch, mask=mask, **seg))
       jax.block_until_ready(f(*args))
       runs = []
       for _ in range(cfg.runs or 5):
@@ -349,11 +353,18 @@ def calibrate(cfg: h.Settings) -> tuple[float, float, float]:
         runs.append(time.perf_counter() - t0)
       rows.append([k * r * n, k * r * n * n, k, 1.0])
       times.append(np.median(runs))
-  fit = np.linalg.lstsq(np.asarray(rows), np.asarray(times), rcond=None)[0]
-  a, b, o = np.maximum(fit[:3], 0.0)
+  x, t = np.asarray(rows), np.asarray(times)
+  fit = optimize.nnls(x / t[:, None], np.ones_like(t))[0]
+  a, b, o, s = fit
+  worst = float(np.max(np.abs(x @ fit / t - 1)))
+  for (tokens, pairs, k, _), got, want in zip(rows, t, x @ fit):
+    n = int(pairs // tokens)
+    print(f"  K={int(k)} x {int(tokens // k // n)} rows x {n}: "
+          f"{got * 1e3:.1f} ms, fitted {want * 1e3:.1f} ms")  # fmt: skip
   cost = (1.0, float(b / a), float(o / a))
-  print(f"per token {a * 1e9:.1f} ns, per pair {b * 1e9:.3f} ns, per "
-        f"microbatch {o * 1e6:.0f} us, per step {fit[3] * 1e6:.0f} us")  # fmt: skip
+  print(f"d={c['dim']}: per token {a * 1e9:.1f} ns, per pair {b * 1e9:.3f} "
+        f"ns, per microbatch {o * 1e6:.0f} us, per step {s * 1e6:.0f} us; "
+        f"worst error {worst:.1%} over {len(t)} steps")  # fmt: skip
   print(f"PlanSpec(..., cost=({cost[0]}, {cost[1]:.4g}, {cost[2]:.4g}))")
   return cost
 
@@ -389,22 +400,31 @@ def _targets(r) -> list[dict]:
   return out
 
 
+DISTRIBUTIONS = {
+  "lognormal": _lognormal,
+  "docstrings": _docstrings,
+  "real text": _real_text,
+}
+
+
 def run(cfg: h.Settings) -> dict:
   c = SIZES["smoke" if cfg.smoke else "default"]
+  names = cfg.lengths or tuple(DISTRIBUTIONS)
+  bad = [n for n in names if n not in DISTRIBUTIONS]
+  if bad:
+    raise SystemExit(f"--lengths: unknown {bad}; one of {list(DISTRIBUTIONS)}")
+  widths = cfg.widths or ((c["dim"],) if cfg.smoke else (128, 256))
   rows = []
-  for dim in (c["dim"],) if cfg.smoke else (128, 256):  # widths
+  for dim in widths:
     w = dict(c, dim=dim)
     steps = _steps(w)
-    rows += [
-      _distribution(w, "lognormal", _lognormal, cfg, steps),
-      _distribution(w, "docstrings", _docstrings, cfg, steps),
-    ]
-    if dim == 128 or cfg.smoke:
-      rows.append(_distribution(w, "real text", _real_text, cfg, steps))
+    for name in names:  # the real text at the first width only
+      if name != "real text" or dim == widths[0]:
+        rows.append(_distribution(w, name, DISTRIBUTIONS[name], cfg, steps))
   return dict(config=c, rows=rows, targets=sum(map(_targets, rows), []))
 
 
-METHODS = ("padded", "packed, 8 rows", "packed, 2 rows", "planned")
+METHODS = ("padded", "packed, 8 rows", "packed, 2 rows", "packed, 1 row")
 
 
 def markdown(result: dict) -> list[str]:

@@ -161,8 +161,12 @@ def test_a_spec_from_lengths_is_no_dearer_than_simpler_specs(pack):
   def cost(s):
     return sum(pl.plan(s, n[i : i + 64]).costs.max() for i in (0, 64, 128, 192))
 
-  for buckets, divisors in [((n.max(),), (1,)), ((n.max(),), (1, 2, 4)),
-                            ((128, n.max()), (1,)), ((64, n.max()), (1,))]:  # fmt: skip
+  hand_picked = [((n.max(),), (1,)), ((n.max(),), (1, 2, 4)),
+                 ((128, n.max()), (1,)), ((64, n.max()), (1,)),
+                 # sub-shapes without the full shape: microbatches of 1/8
+                 # and 1/4 of the budget
+                 ((128, 256, n.max()), (8,)), ((256, n.max()), (4,))]  # fmt: skip
+  for buckets, divisors in hand_picked:
     other = planning.PlanSpec(buckets, row_divisors=divisors, **kw)
     assert cost(spec) <= cost(other) + 1e-6, other
   with pytest.raises(wa.WeightedAccumulationError, match="sample_lengths"):

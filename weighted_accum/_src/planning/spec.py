@@ -161,9 +161,11 @@ class PlanSpec:
     row lengths cost least by the cost model.
 
     The candidates: buckets ``longest`` (default: the sample's longest row)
-    and up to ``max_shapes - 1`` powers of two from 8 below it, sub-shapes
-    ``(1,)``, ``(1, 2)``, ``(1, 2, 4)``... while the shapes number at most
-    ``max_shapes`` (each shape is one more compiled loop). Each is scored
+    and up to ``max_shapes - 1`` powers of two from 8 below it, row
+    divisors a run of powers of two (``(1,)``, ``(1, 2)``, ``(2, 4)``,
+    ``(8,)``...: shapes of ``budget // L``, or ``1/2``, ``1/8``... of it)
+    while the shapes number at most ``max_shapes`` (each shape is one more
+    compiled loop). Each is scored
     by planning the sample cut into batches of ``batch_rows x replicas``
     rows (up to 16) and summing each batch's slowest replica; the cheapest
     wins, fewer shapes on a tie.
@@ -196,13 +198,18 @@ class PlanSpec:
     lows = [2**k for k in range(3, top.bit_length()) if 2**k < top]
     step = batch_rows * options.get("replicas", 1)
     batches = [n[i : i + step] for i in range(0, n.size, step)][:16]
-    best = None
-    for k, divs in itertools.product(range(max_shapes), range(1, 5)):
+    divisors = [  # runs of powers of two: 1, 2, 4 ... or 2, 4, 8 ...
+      tuple(2**i for i in range(first, first + size))
+      for first in range((budget // 8).bit_length())
+      for size in range(1, max_shapes + 1)
+    ]
+    best, seen = None, set()
+    for k, divs in itertools.product(range(max_shapes), divisors):
       for low in itertools.combinations(lows, k):
-        spec = cls(low + (top,), budget, batch_rows,
-                   tuple(2**i for i in range(divs)), **options)  # fmt: skip
-        if len(spec.shapes) > max_shapes:
+        spec = cls(low + (top,), budget, batch_rows, divs, **options)
+        if len(spec.shapes) > max_shapes or spec.shapes in seen:
           continue
+        seen.add(spec.shapes)
         cost = sum(planner.plan(spec, b).costs.max() for b in batches)
         key = (cost, len(spec.shapes))
         best = min(best or (key, spec), (key, spec), key=lambda x: x[0])
