@@ -219,7 +219,9 @@ def test_window_runs_fewer_loops_than_multisteps(big_leaf):
 def test_scalar_checks_are_not_copied_into_every_leaf(per_leaf):
   """Each leaf's accumulate loop reads one precomputed weight: the fused
   code per leaf stays below MultiSteps' (whose 4 loops each recompute the
-  AdamW chain). With the weight's ~60 validity instructions in every loop it
-  was 140 per leaf against MultiSteps' 109."""
+  AdamW chain) but for the close's exact division (three factors, computed
+  once: 98 -> 117 per leaf). With the weight's ~60 validity instructions in
+  every loop it was 140 per leaf against MultiSteps' 109; with the exact
+  divisor's exponent arithmetic re-derived per leaf, 187."""
   wrapper, multisteps = per_leaf["wrapper"], per_leaf["multisteps"]
-  assert wrapper["fused_instructions"] <= multisteps["fused_instructions"]
+  assert wrapper["fused_instructions"] <= multisteps["fused_instructions"] + 10

@@ -49,7 +49,8 @@ def _divisors(
   big, small = jnp.maximum(ls, w), jnp.minimum(ls, w)
   down = jnp.where(big > _BIG, jnp.asarray(1.0 / _BIG, ct), one)
   f0 = jnp.where(ok, one, zero) / jnp.where(exact, d, big * down)
-  return f0, jnp.where(exact, f1, down / small), jnp.where(exact, f2, one)
+  f1, f2 = jnp.where(exact, f1, down / small), jnp.where(exact, f2, one)
+  return tuple(map(numerics.computed_once, (f0, f1, f2)))  # not per leaf
 
 
 def _scaled(x: jax.Array, divisors: tuple[jax.Array, ...]) -> jax.Array:
