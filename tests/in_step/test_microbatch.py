@@ -262,6 +262,20 @@ def test_optax_accumulator_counts_the_rejected_in_the_weight(fn, size):
   assert np.isnan(float(loss)) and np.isnan(float(grads))
 
 
+def test_optax_accumulator_counts_the_rejected_with_x64_enabled():
+  """The rejected count keeps its int32 carry when 64-bit types are on (an
+  int64 count broke optax's loop carry)."""
+  vg = jax.value_and_grad(lambda w, x, m: (jnp.sum(x * w), m[0]), has_aux=True)
+  acc = wa.optax_accumulator("sum")
+  with jax.enable_x64(True):
+    f = optax.microbatching.microbatch(
+      vg, argnums=(1, 2), microbatch_size=2, accumulator=acc
+    )
+    m = jnp.asarray(np.tile([np.nan, 1.0, 1.0, 1.0], 2), jnp.float32)
+    (_, weight), _ = jax.jit(f)(1.0, jnp.arange(8.0, dtype=jnp.float32), m)
+  assert float(weight) == -1.0, weight
+
+
 # ------------------------------------------- 2. aux order, early stopping --
 
 

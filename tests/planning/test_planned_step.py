@@ -241,3 +241,21 @@ def test_unknown_keywords_are_refused_naming_the_accepted_ones(name):
     f(params, packed, **{name: 0})
   with pytest.raises(wa.WeightedAccumulationError, match="no keywords"):
     f.accumulate(wa.init(params), params, packed, **{name: 0})
+
+
+def test_loss_scale_none_is_the_builders_scale():
+  """``f(..., loss_scale=None)``, as documented, runs at the builder's
+  scale: the sums are scaled by it and the mean is not."""
+  spec = planning.PlanSpec(**SMALL)
+  packed = planning.plan_batch(spec, _batch([3, 4]), [3, 4])
+  params = _params(jnp.float32)
+  f = planning.planned_value_and_grad(
+    _loss_fn, spec, mode="sum", loss_scale=4.0
+  )
+  _, ref = f(params, packed)
+  _, out = f(params, packed, loss_scale=None)
+  one_f = planning.planned_value_and_grad(_loss_fn, spec, mode="sum")
+  _, one = one_f(params, packed)
+  assert float(out.loss_scale) == float(ref.loss_scale) == 4.0
+  for a, b in zip(jax.tree.leaves(out.grads), jax.tree.leaves(one.grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)

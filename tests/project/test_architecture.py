@@ -42,7 +42,7 @@ KNOWN_UPWARD: set[tuple[str, str]] = set()
 #: package's __init__, scaler, values -> errors.
 DEPTH_CEILING = 10
 #: Library lines outside _src/planning/ (the target: 8,000).
-LINE_CEILING = 8_357
+LINE_CEILING = 8_345
 #: Private functions with more than 6 keyword-only/defaulted parameters.
 KNOWN_FLAG_HEAVY: set[str] = set()
 #: Broad excepts that do not re-raise (module:function).

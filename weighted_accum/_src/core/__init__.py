@@ -3,7 +3,7 @@
 ``base`` (``AccumState`` and the counter table), ``numerics`` (exact weight
 tallies, NaN-safe finiteness marks), ``tree_utils`` (leaf paths, shardings),
 ``accumulation`` (``init``, the one accumulate path, ``from_buffers``),
-``window`` (the one close path), ``finishing`` (``finish_sums``,
-``finish_mean``, ``apply_window``), ``open_window`` (the kernels of
+``window`` (the one close path), ``finishing`` (the closers' kernels),
+``open_window`` (the kernels of
 ``peek_mean`` and ``discard``) and ``loss_scale`` (``DynamicLossScale``).
 """

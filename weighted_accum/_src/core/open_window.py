@@ -5,19 +5,12 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 
 from weighted_accum._src.core import window
 from weighted_accum._src.core.base import AccumState
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _peek_kernel(state: AccumState, axes: tuple[str, ...]):
-  out, _ = window.finish(state, mean=True, axes=axes, what="peek_mean")
-  return out
 
 
 @jax.jit

@@ -56,11 +56,6 @@ def reduce_scatter(x: jax.Array, axes: tuple[str, ...], dim: int) -> jax.Array:
   return jax.shard_map(scatter, mesh=sharding.mesh, **kw)(x)
 
 
-def concrete_float(x: Any) -> float | None:
-  """``x`` as a Python float when it is concrete, else ``None``."""
-  return None if is_traced(x) else float(np.asarray(x))
-
-
 # ----------------------------------------------------------------- paths --
 
 

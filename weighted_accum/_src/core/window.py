@@ -224,10 +224,6 @@ def _check_scale_shared(loss_scale: jax.Array, axes: Axes, what: str) -> None:
 # ---------------------------------------------------------------- result --
 
 
-#: What validity reads: the sums, the sums over the loss scale, the mean.
-CHECKS = ("sums", "unscaled", "mean")
-
-
 def _range_mark(sums: Any, loss_scale: Any, divisor: Any, dtypes: Any):
   """:func:`window_mark` from each leaf's largest magnitude (rounding is monotone)."""
   marks, factors = [jnp.zeros((), jnp.float32)], {}

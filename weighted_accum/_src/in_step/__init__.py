@@ -1,4 +1,5 @@
 """Accumulation inside one jitted step: ``value_and_grad`` (the public
-function), ``microbatching`` (the loop), ``microbatch_args`` (roles, split),
-``microbatch_terms`` (loss terms), ``microbatching_spmd`` (under
-plain ``jit`` with ``axis_name``), ``optax_microbatching``."""
+function and its loop over the microbatches), ``microbatch_args`` (roles,
+split), ``microbatch_terms`` (loss terms), ``microbatching_spmd`` (the same
+loop in a ``shard_map`` under plain ``jit`` with ``axis_name``),
+``optax_microbatching``."""

@@ -105,7 +105,11 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
     # A folded value's negative weight counts its rejected examples.
     n = -jnp.asarray(weight, _F32) if folded else jnp.float32(1)
     n = jnp.where(new.rejected == st.rejected, 0, jnp.where(n >= 1, n, 1))
-    return new, loss_sum + jnp.where(took, part, 0.0), rejected + n.astype(int)
+    return (
+      new,
+      loss_sum + jnp.where(took, part, 0.0),
+      rejected + n.astype(jnp.int32),
+    )
 
   def finalize(carry):
     st, loss_sum, rejected = carry

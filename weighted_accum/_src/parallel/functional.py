@@ -10,7 +10,6 @@ from typing import Any
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
-import numpy as np
 import optax
 
 from weighted_accum._src import validation
@@ -425,10 +424,8 @@ def set_loss_scale(
     total = state.total_weight  # a stacked window's: over the replicas
     if total != 0:
       raise WeightedAccumulationError(
-        f"set_loss_scale: the open window already holds total weight "
-        f"{total!r} from {int(np.sum(state.issued))} microbatch(es) accumulated at "
-        f"loss scale {float(state.loss_scale)!r}; the scale is constant "
-        "within a window. Finish the window first, or set the next "
-        "window's scale with finish_mean/finish_sums(next_loss_scale=...)."
+        f"set_loss_scale: the open window already holds total weight {total!r}"
+        f" (scale {float(state.loss_scale)!r}, constant within a window): "
+        "finish it, or pass finish_mean/finish_sums(next_loss_scale=...)."
       )
   return accumulation._set_scale(state, ls, checked)

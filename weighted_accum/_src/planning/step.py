@@ -330,8 +330,11 @@ def _functions(planned: _Planned, loss_scale: Any) -> Callable[..., Any]:
     planned.axes is not None and not tree_utils.bound(planned.axes)
   )
 
-  def f(*args, loss_scale=loss_scale, **kwargs):
+  default = loss_scale
+
+  def f(*args, loss_scale=None, **kwargs):
     _refuse_unknown(f"{_WHAT}(...)", kwargs, ["loss_scale"])
+    loss_scale = default if loss_scale is None else loss_scale
     _packed(planned.spec, args, planned.pos)
     if not unbound():
       return planned.step(args, loss_scale)
