@@ -102,14 +102,10 @@ def optax_accumulator(mode: str, dtype: Any = jnp.float32) -> Any:
     w = (jnp.asarray(wt.hi) + jnp.asarray(wt.lo)).astype(_F32)
     part = jnp.asarray(loss, _F32) * (w if as_mean else 1.0)
     took = (new.rejected == st.rejected) & (w > 0)
-    # A folded value's negative weight counts its rejected examples.
-    n = -jnp.asarray(weight, _F32) if folded else jnp.float32(1)
+    n = -jnp.asarray(weight, _F32) if folded else jnp.float32(1)  # -rejected
     n = jnp.where(new.rejected == st.rejected, 0, jnp.where(n >= 1, n, 1))
-    return (
-      new,
-      loss_sum + jnp.where(took, part, 0.0),
-      rejected + n.astype(jnp.int32),
-    )
+    n = n.astype(jnp.int32)  # the carry's type, also with x64 on
+    return new, loss_sum + jnp.where(took, part, 0.0), rejected + n
 
   def finalize(carry):
     st, loss_sum, rejected = carry
