@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
+from test_implicit_paths import _data  # the same rows and weights
 
 from _helpers import Compiles
 import weighted_accum as wa
@@ -23,15 +24,6 @@ MESHES = {
   "auto": lambda: jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)),
   "explicit": lambda: jax.make_mesh((N,), ("data",)),  # Explicit by default
 }
-
-
-def _data(seed=0):
-  r = np.random.default_rng(seed)
-  x = r.integers(-2, 3, size=(ROWS, D)).astype(np.float32)
-  y = r.integers(-2, 3, size=ROWS).astype(np.float32)
-  m = (r.random(ROWS) < 0.7).astype(np.float32)
-  w = (r.integers(-4, 5, size=D) / 4).astype(np.float32)
-  return w, {"x": x, "y": y, "m": m}
 
 
 def _ref(w, b, c):
